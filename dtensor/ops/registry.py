@@ -1,0 +1,133 @@
+"""The op registry: every computation in dtensor is ``apply(op, *inputs, **params)``.
+
+An op is declared once, in one ``defop`` block, with all of its rules side by side:
+
+- ``impl(*arrays, **params)``: numpy on local arrays;
+- ``abstract(*avals, **params)``: output ``Aval`` (shape, dtype) from input avals, used by the
+  tracer and by DTensor to know an output without computing it;
+- ``vjp(g, out, *inputs, **params)``: the backward rule written with ops (never raw numpy), so
+  that one rule serves Tensor, DTensor and tracer. It returns one entry per input: a gradient,
+  ``None``, or a zero-argument callable producing the gradient; callables are only evaluated for
+  inputs that need a gradient (so ``matmul`` does not pay for the weight-gradient GEMM of a
+  frozen weight);
+- ``linearity``: which inputs may stay ``Partial`` through the op: "all" (jointly linear: add,
+  sub, reshape ...), "one" (linear in each input separately: mul, matmul), a tuple of the input
+  positions it is linear in (div: ``(0,)``), or "none" (exp, max ...); read by the DTensor engine;
+- ``shard``: the op's sharding rule for one mesh dim (filled in by the DTensor layer);
+- ``lower``: how codegen emits it (a pointwise expression template, or a kind such as
+  ``"reduce"`` / ``"extern"``), read by the compiler.
+
+The interpretation follows the input types: ``Tensor`` runs ``impl`` eagerly; other tensor types
+(DTensor, tracer) register an interpreter with :func:`register_interpreter`. Autograd recording
+is the same for all of them and lives in :func:`apply`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from dtensor import autograd
+
+__all__ = ["Aval", "Op", "defop", "apply", "OPS", "register_interpreter"]
+
+
+class Aval(NamedTuple):
+    """Abstract value: what is known about a tensor without its data."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass(eq=False)
+class Op:
+    name: str
+    impl: Callable[..., Any]
+    abstract: Callable[..., Aval]
+    vjp: Callable[..., tuple] | None = None
+    linearity: str = "none"
+    shard: Any = None
+    lower: Any = None
+    # Inputs that are never differentiated (integer indices, boolean conditions).
+    nondiff: tuple[int, ...] = ()
+    # Extra facts for the registry-wide tests (input domain, example params).
+    meta: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"<op {self.name}>"
+
+    def __call__(self, *args, **params):
+        return apply(self, *args, **params)
+
+
+OPS: dict[str, Op] = {}
+
+_LINEARITY = ("all", "one", "none")
+
+
+def defop(name: str, *, impl, abstract, vjp=None, linearity="none", shard=None, lower=None,
+          nondiff=(), **meta) -> Op:
+    """Declare an op once, with all of its rules. Returns the ``Op``, also kept in ``OPS``."""
+    if name in OPS:
+        raise ValueError(f"op {name!r} is already registered")
+    if linearity not in _LINEARITY and not isinstance(linearity, tuple):
+        raise ValueError(f"op {name!r}: linearity must be one of {_LINEARITY} or a tuple of "
+                         f"input positions, got {linearity!r}")
+    op = Op(name, impl, abstract, vjp, linearity, shard, lower, tuple(nondiff), meta)
+    OPS[name] = op
+    return op
+
+
+# type -> interpreter(op, args, params) returning the output tensor (DTensor, tracer...).
+_INTERPRETERS: dict[type, Callable] = {}
+# Eager tensor types (Tensor, Parameter) and the constructor of eager outputs; set by tensor.py,
+# which imports this module, so the hot path needs no import or isinstance chain.
+_EAGER: set[type] = set()
+_wrap: Callable[[np.ndarray], Any] = None  # type: ignore[assignment]
+
+
+def register_interpreter(cls: type, interpret: Callable) -> None:
+    _INTERPRETERS[cls] = interpret
+
+
+def apply(op: Op, *args, **params):
+    """Run ``op`` on ``args`` under the interpretation their types select, recording autograd."""
+    interp = None
+    needs_grad = False
+    grad_on = autograd._state.enabled
+    eager = _EAGER
+    for a in args:
+        t = type(a)
+        if t in eager:
+            if grad_on and a.requires_grad:
+                needs_grad = True
+        elif t in _INTERPRETERS:
+            interp = _INTERPRETERS[t]
+            if grad_on and a.requires_grad:
+                needs_grad = True
+    if interp is None:
+        arrays = [a.data if type(a) in eager else a for a in args]
+        try:
+            out = _wrap(op.impl(*arrays, **params))
+        except (ValueError, IndexError) as e:
+            raise _explain(op, arrays, params, e) from e
+    else:
+        out = interp(op, args, params)
+    if needs_grad and op.vjp is not None:
+        autograd.record(op, args, params, out)
+    return out
+
+
+def _explain(op: Op, arrays, params, err: Exception) -> Exception:
+    """A clear error for a failed eager op: the abstract rule's own message if it has one."""
+    avals = [Aval(a.shape, a.dtype) if isinstance(a, np.ndarray) else a for a in arrays]
+    try:
+        op.abstract(*avals, **params)
+    except (ValueError, IndexError) as clear:
+        if "shape mismatch" not in str(clear):
+            return type(clear)(str(clear))
+    shapes = [tuple(a.shape) if isinstance(a, np.ndarray) else a for a in arrays]
+    hint = (" Each dim must be equal or 1 to broadcast; reshape or unsqueeze one operand."
+            if op.shard == "pointwise" else "")
+    return type(err)(f"{op.name}: invalid inputs {shapes}: {err}.{hint}")

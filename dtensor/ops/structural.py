@@ -1,0 +1,191 @@
+"""Reductions, shape ops, matmul, indexing and factories: one ``defop`` block each.
+
+Params are canonical and hashable (axes as sorted tuples of non-negative ints, shapes as
+tuples, indices as tuples of ``int | (start, stop, step) | None``) so that DTensor and the
+compiler can cache on ``(op, input specs, params)``. Tensor methods canonicalise them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dtensor import random as _random
+from dtensor.ops.pointwise import unbroadcast, where
+from dtensor.ops.registry import Aval, defop
+
+# ---------------------------------------------------------------- reductions
+
+
+def _reduced_shape(shape, axis, keepdims):
+    if keepdims:
+        return tuple(1 if i in axis else n for i, n in enumerate(shape))
+    return tuple(n for i, n in enumerate(shape) if i not in axis)
+
+
+def _keepdims_shape(shape, axis):
+    return tuple(1 if i in axis else n for i, n in enumerate(shape))
+
+
+def _sum_vjp(g, out, x, axis, keepdims):
+    if not keepdims:
+        g = g.reshape(_keepdims_shape(x.shape, axis))
+    return (g.broadcast_to(x.shape),)
+
+
+sum = defop(
+    "sum", impl=lambda x, axis, keepdims: np.sum(x, axis=axis, keepdims=keepdims),
+    abstract=lambda x, axis, keepdims: Aval(_reduced_shape(x.shape, axis, keepdims), x.dtype),
+    vjp=_sum_vjp, linearity="all", shard="reduce", lower="reduce:sum")
+
+
+def _max_vjp(g, out, x, axis, keepdims):
+    # Ties share the gradient evenly (torch.amax semantics): d max / dx_i = [x_i == max] / count.
+    kshape = _keepdims_shape(x.shape, axis)
+    if not keepdims:
+        g, out = g.reshape(kshape), out.reshape(kshape)
+    mask = (x == out).astype(g.dtype)
+    return (mask * (g / mask.sum(axis=axis, keepdims=True)),)
+
+
+max = defop(
+    "max", impl=lambda x, axis, keepdims: np.max(x, axis=axis, keepdims=keepdims),
+    abstract=lambda x, axis, keepdims: Aval(_reduced_shape(x.shape, axis, keepdims), x.dtype),
+    vjp=_max_vjp, linearity="none", shard="reduce", lower="reduce:max")
+
+# ---------------------------------------------------------------- shape ops
+
+reshape = defop(
+    "reshape", impl=lambda x, shape: np.reshape(x, shape),
+    abstract=lambda x, shape: Aval(shape, x.dtype),
+    vjp=lambda g, out, x, shape: (g.reshape(x.shape),),
+    linearity="all", shard="reshape", lower="view")
+
+permute = defop(
+    "permute", impl=lambda x, axes: np.transpose(x, axes),
+    abstract=lambda x, axes: Aval(tuple(x.shape[a] for a in axes), x.dtype),
+    vjp=lambda g, out, x, axes: (g.permute(*np.argsort(axes).tolist()),),
+    linearity="all", shard="permute", lower="view")
+
+broadcast_to = defop(
+    "broadcast_to", impl=lambda x, shape: np.broadcast_to(x, shape),
+    abstract=lambda x, shape: Aval(shape, x.dtype),
+    vjp=lambda g, out, x, shape: (unbroadcast(g, x.shape),),
+    linearity="all", shard="broadcast", lower="view")
+
+
+def index_key(key):
+    """numpy index from the canonical hashable form (slices are unhashable before 3.12)."""
+    return tuple(slice(*k) if isinstance(k, tuple) else k for k in key)
+
+
+getitem = defop(
+    "getitem", impl=lambda x, key: x[index_key(key)],
+    abstract=lambda x, key: Aval(np.broadcast_to(np.empty((), np.bool_), x.shape)[
+        index_key(key)].shape, x.dtype),
+    vjp=lambda g, out, x, key: (slice_scatter(g, shape=tuple(x.shape), key=key),),
+    linearity="all", shard="getitem", lower="view")
+
+
+def _slice_scatter_impl(g, shape, key):
+    out = np.zeros(shape, g.dtype)
+    out[index_key(key)] = g
+    return out
+
+
+# The vjp of getitem: ``g`` placed at ``key`` in zeros of ``shape``.
+slice_scatter = defop(
+    "slice_scatter", impl=_slice_scatter_impl,
+    abstract=lambda g, shape, key: Aval(shape, g.dtype),
+    vjp=lambda g2, out, g, shape, key: (getitem(g2, key=key),),
+    linearity="all", shard="slice_scatter", lower="extern:slice_scatter")
+
+
+def _cat_abstract(*xs, axis):
+    shape = list(xs[0].shape)
+    shape[axis] = int(np.sum([x.shape[axis] for x in xs]))
+    return Aval(tuple(shape), np.result_type(*[x.dtype for x in xs]))
+
+
+def _cat_vjp(g, out, *xs, axis):
+    grads, start = [], 0
+    for x in xs:
+        stop = start + x.shape[axis]
+        key = tuple((None, None, None) if d != axis else (start, stop, 1)
+                                  for d in range(g.ndim))
+        grads.append(getitem(g, key=key))
+        start = stop
+    return tuple(grads)
+
+
+cat = defop(
+    "cat", impl=lambda *xs, axis: np.concatenate(xs, axis=axis), abstract=_cat_abstract,
+    vjp=_cat_vjp, linearity="all", shard="cat", lower="extern:cat")
+
+# ---------------------------------------------------------------- contraction
+
+
+def _matmul_abstract(x, y):
+    if x.shape[-1] != y.shape[-2]:
+        raise ValueError(
+            f"matmul: inner dimensions differ: {tuple(x.shape)} @ {tuple(y.shape)} "
+            f"({x.shape[-1]} != {y.shape[-2]}). The last dim of the left operand must equal "
+            f"the second-to-last dim of the right one; transpose one of them (.mT) or reshape.")
+    batch = np.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+    return Aval(batch + (x.shape[-2], y.shape[-1]), np.result_type(x.dtype, y.dtype))
+
+
+# d(xy)/dx = g y^T, d(xy)/dy = x^T g, each summed over broadcast batch dims.
+matmul = defop(
+    "matmul", impl=np.matmul, abstract=_matmul_abstract,
+    vjp=lambda g, out, x, y: (lambda: unbroadcast(g @ y.mT, x.shape),
+                              lambda: unbroadcast(x.mT @ g, y.shape)),
+    linearity="one", shard="matmul", lower="extern:matmul")
+
+# ---------------------------------------------------------------- gather / scatter along dim 0
+
+index_select = defop(
+    "index_select", impl=lambda w, idx: np.take(w, idx, axis=0),
+    abstract=lambda w, idx: Aval(tuple(idx.shape) + tuple(w.shape[1:]), w.dtype),
+    vjp=lambda g, out, w, idx: (index_add(g, idx, num=w.shape[0]), None),
+    linearity="all", shard="index_select", lower="extern:take", nondiff=(1,))
+
+
+def _index_add_impl(g, idx, num):
+    out = np.zeros((num,) + g.shape[idx.ndim:], g.dtype)
+    np.add.at(out, idx.reshape(-1), g.reshape((-1,) + g.shape[idx.ndim:]))
+    return out
+
+
+# The vjp of index_select: rows of ``g`` summed into row ``idx`` of zeros((num, ...)).
+index_add = defop(
+    "index_add", impl=_index_add_impl,
+    abstract=lambda g, idx, num: Aval((num,) + tuple(g.shape[idx.ndim:]), g.dtype),
+    vjp=lambda g2, out, g, idx, num: (index_select(g2, idx), None),
+    linearity="all", shard="index_add", lower="extern:index_add", nondiff=(1,))
+
+# ---------------------------------------------------------------- factories
+# Random values are a pure function of (key, global flat index): see dtensor/random.py.
+
+iota = defop(
+    "iota", impl=lambda shape, axis, dtype: np.broadcast_to(
+        np.arange(shape[axis], dtype=dtype).reshape(
+            tuple(n if i == axis else 1 for i, n in enumerate(shape))), shape),
+    abstract=lambda shape, axis, dtype: Aval(shape, np.dtype(dtype)),
+    shard="factory", lower="iota")
+
+rand = defop(
+    "rand", impl=lambda shape, key, dtype: _random.uniform(key, _flat_offsets(shape), dtype),
+    abstract=lambda shape, key, dtype: Aval(shape, np.dtype(dtype)),
+    shard="factory", lower="rand")
+
+randn = defop(
+    "randn", impl=lambda shape, key, dtype: _random.normal(key, _flat_offsets(shape), dtype),
+    abstract=lambda shape, key, dtype: Aval(shape, np.dtype(dtype)),
+    shard="factory", lower="randn")
+
+
+def _flat_offsets(shape):
+    return np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+
+
+__all__ = ["sum", "max", "reshape", "permute", "broadcast_to", "getitem", "slice_scatter", "cat",
+           "matmul", "index_select", "index_add", "iota", "rand", "randn", "where"]

@@ -1,0 +1,494 @@
+"""Tensor: a numpy array plus autograd metadata. Every operator and method calls ``ops.apply``.
+
+The method surface lives in ``TensorMethods`` so that DTensor and the compiler's tracer, which
+inherit it, behave exactly like Tensor under the same user code.
+"""
+from __future__ import annotations
+
+import builtins
+from typing import Any, Sequence
+
+import numpy as np
+
+from dtensor import autograd
+from dtensor.ops import pointwise as pw
+from dtensor.ops import registry
+from dtensor.ops import structural as st
+
+__all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like", "ones_like",
+           "arange", "rand", "randn", "cat", "where", "resolve_dtype", "DTYPES"]
+
+DTYPES = {name: np.dtype(name) for name in
+          ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")}
+
+
+def resolve_dtype(dtype) -> np.dtype:
+    """A numpy dtype from a name, numpy type or dtype; a clear TypeError otherwise."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in DTYPES:
+        raise TypeError(f"invalid dtype {dtype!r}; use one of {', '.join(DTYPES)} "
+                        f"(for example dtensor.float32 or 'float32').")
+    return dt
+
+
+def _axes(axis, ndim: int) -> tuple[int, ...]:
+    """Canonical reduction axes: a sorted tuple of non-negative ints (all axes for None)."""
+    if axis is None:
+        return tuple(range(ndim))
+    axis = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    out = []
+    for a in axis:
+        if not -ndim <= a < max(ndim, 1):
+            raise IndexError(f"axis {a} is out of range for a tensor with {ndim} dims "
+                             f"(valid: {-ndim}..{ndim - 1}).")
+        out.append(int(a) % max(ndim, 1))
+    return tuple(sorted(set(out)))
+
+
+def _shape_arg(shape) -> tuple[int, ...]:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = shape[0]
+    return tuple(int(n) for n in shape)
+
+
+def _resolve_reshape(numel: int, old: tuple, shape: tuple) -> tuple[int, ...]:
+    if shape.count(-1) > 1:
+        raise ValueError(f"reshape: only one dim may be -1, got {shape}.")
+    if -1 in shape:
+        known = int(np.prod([n for n in shape if n != -1]))
+        if known == 0 or numel % known:
+            raise ValueError(f"cannot reshape a tensor of shape {old} ({numel} elements) "
+                             f"into {shape}.")
+        shape = tuple(numel // known if n == -1 else n for n in shape)
+    if int(np.prod(shape)) != numel:
+        raise ValueError(f"cannot reshape a tensor of shape {old} ({numel} elements) into "
+                         f"{shape} ({int(np.prod(shape))} elements).")
+    return shape
+
+
+def _index(key, shape: tuple) -> tuple:
+    """Canonical hashable form of a basic index: int | (start, stop, step) | None per entry."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    n_real = builtins.sum(1 for k in key if k is not None and k is not Ellipsis)
+    if builtins.sum(1 for k in key if k is Ellipsis) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...').")
+    if n_real > len(shape):
+        raise IndexError(f"too many indices for a tensor of shape {shape}: {key!r}.")
+    out, d = [], 0
+    for k in key:
+        if k is Ellipsis:
+            fill = len(shape) - n_real
+            out.extend((0, shape[d + i], 1) for i in range(fill))
+            d += fill
+        elif k is None:
+            out.append(None)
+        elif isinstance(k, slice):
+            out.append(k.indices(shape[d]))
+            d += 1
+        elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+            if not -shape[d] <= k < shape[d]:
+                raise IndexError(f"index {k} is out of bounds for dim {d} of size {shape[d]} "
+                                 f"(tensor shape {shape}).")
+            out.append(int(k) % shape[d])
+            d += 1
+        else:
+            raise TypeError(
+                f"unsupported index {k!r} (type {type(k).__name__}): tensors take basic "
+                f"indexing (ints, slices, None, ...). For integer-array lookup use "
+                f"dtensor.nn.functional.embedding or index_select.")
+    out.extend((0, shape[i], 1) for i in range(d, len(shape)))
+    return tuple(out)
+
+
+class TensorMethods:
+    """Operators and methods shared by Tensor, DTensor and tracer tensors; all go through ops."""
+
+    __slots__ = ()
+    __array_ufunc__ = None  # numpy defers `ndarray + tensor` to Tensor.__radd__
+
+    # -- arithmetic
+    def __add__(self, o): return pw.add(self, o)
+    def __radd__(self, o): return pw.add(o, self)
+    def __sub__(self, o): return pw.sub(self, o)
+    def __rsub__(self, o): return pw.sub(o, self)
+    def __mul__(self, o): return pw.mul(self, o)
+    def __rmul__(self, o): return pw.mul(o, self)
+    def __truediv__(self, o): return pw.div(self, o)
+    def __rtruediv__(self, o): return pw.div(o, self)
+    def __pow__(self, o): return pw.pow(self, o)
+    def __rpow__(self, o): return pw.pow(o, self)
+    def __neg__(self): return pw.neg(self)
+    def __matmul__(self, o): return matmul(self, o)
+    def __rmatmul__(self, o): return matmul(o, self)
+    def __lt__(self, o): return pw.lt(self, o)
+    def __le__(self, o): return pw.le(self, o)
+    def __gt__(self, o): return pw.gt(self, o)
+    def __ge__(self, o): return pw.ge(self, o)
+    def __eq__(self, o): return pw.eq(self, o)  # type: ignore[override]
+    def __ne__(self, o): return pw.ne(self, o)  # type: ignore[override]
+    def __invert__(self): return pw.logical_not(self)
+    __hash__ = object.__hash__
+
+    def exp(self): return pw.exp(self)
+    def log(self): return pw.log(self)
+    def sqrt(self): return pw.sqrt(self)
+    def tanh(self): return pw.tanh(self)
+    def erf(self): return pw.erf(self)
+    def sigmoid(self): return 1.0 / (1.0 + pw.exp(-self))
+    def relu(self): return pw.where(self > 0, self, 0.0)
+    def abs(self): return pw.where(self >= 0, self, -self)
+    def maximum(self, o): return pw.maximum(self, o)
+
+    def astype(self, dtype):
+        dtype = resolve_dtype(dtype)
+        return self if dtype == self.dtype else pw.cast(self, dtype=dtype)
+
+    to = astype
+
+    def float(self): return self.astype(np.float32)
+    def double(self): return self.astype(np.float64)
+
+    def masked_fill(self, mask, value):
+        return pw.where(mask, value, self)
+
+    # -- reductions (``dim`` is accepted as PyTorch's name for ``axis``)
+    def sum(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        axis, keepdims = (dim if dim is not None else axis), (keepdim or keepdims)
+        return st.sum(self, axis=_axes(axis, self.ndim), keepdims=builtins.bool(keepdims))
+
+    def mean(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        axis = _axes(dim if dim is not None else axis, self.ndim)
+        n = int(np.prod([self.shape[a] for a in axis]))
+        return self.sum(axis, keepdims or keepdim) / n
+
+    def var(self, axis=None, keepdims=False, *, correction=1, dim=None, keepdim=None):
+        axis = _axes(dim if dim is not None else axis, self.ndim)
+        n = int(np.prod([self.shape[a] for a in axis]))
+        d = self - self.mean(axis, keepdims=True)
+        return (d * d).sum(axis, keepdims or keepdim) / builtins.max(n - correction, 1)
+
+    def max(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
+        axis, keepdims = (dim if dim is not None else axis), (keepdim or keepdims)
+        return st.max(self, axis=_axes(axis, self.ndim), keepdims=builtins.bool(keepdims))
+
+    def amax(self, axis=None, keepdims=False):
+        return self.max(axis, keepdims)
+
+    # -- shape
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+    def size(self, dim: int | None = None):
+        return tuple(self.shape) if dim is None else self.shape[dim]
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    def reshape(self, *shape):
+        shape = _resolve_reshape(self.numel(), tuple(self.shape), _shape_arg(shape))
+        return self if shape == tuple(self.shape) else st.reshape(self, shape=shape)
+
+    view = reshape
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1):
+        s = tuple(self.shape)
+        end = end_dim % len(s)
+        return self.reshape(s[:start_dim] + (-1,) + s[end + 1:])
+
+    def unsqueeze(self, dim: int):
+        s = list(self.shape)
+        s.insert(dim % (len(s) + 1), 1)
+        return self.reshape(tuple(s))
+
+    def squeeze(self, dim: int | None = None):
+        s = tuple(self.shape)
+        if dim is None:
+            return self.reshape(tuple(n for n in s if n != 1))
+        dim %= len(s)
+        return self if s[dim] != 1 else self.reshape(s[:dim] + s[dim + 1:])
+
+    def permute(self, *axes):
+        axes = _shape_arg(axes)
+        if sorted(a % self.ndim for a in axes) != list(range(self.ndim)):
+            raise ValueError(f"permute: {axes} is not a permutation of the {self.ndim} dims "
+                             f"of a tensor of shape {tuple(self.shape)}.")
+        axes = tuple(a % self.ndim for a in axes)
+        return self if axes == tuple(range(self.ndim)) else st.permute(self, axes=axes)
+
+    def transpose(self, dim0: int, dim1: int):
+        axes = list(range(self.ndim))
+        axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
+        return self.permute(tuple(axes))
+
+    @property
+    def T(self):
+        return self.permute(tuple(reversed(range(self.ndim))))
+
+    @property
+    def mT(self):
+        return self.transpose(-2, -1)
+
+    def broadcast_to(self, *shape):
+        shape = _shape_arg(shape)
+        try:
+            np.broadcast_shapes(tuple(self.shape), shape)
+        except ValueError:
+            raise ValueError(f"cannot broadcast a tensor of shape {tuple(self.shape)} to "
+                             f"{shape}: each dim must match or be 1.") from None
+        return self if shape == tuple(self.shape) else st.broadcast_to(self, shape=shape)
+
+    def expand(self, *shape):
+        shape = _shape_arg(shape)
+        lead = len(shape) - self.ndim
+        shape = tuple(self.shape[i - lead] if n == -1 else n for i, n in enumerate(shape))
+        return self.broadcast_to(shape)
+
+    def __getitem__(self, key):
+        return st.getitem(self, key=_index(key, tuple(self.shape)))
+
+    def split(self, split_size_or_sections, dim: int = 0):
+        """torch.split: pieces of ``split_size`` along ``dim`` (last may be smaller), or sizes."""
+        n = self.shape[dim]
+        if isinstance(split_size_or_sections, int):
+            sizes = [split_size_or_sections] * (n // split_size_or_sections)
+            if n % split_size_or_sections:
+                sizes.append(n % split_size_or_sections)
+        else:
+            sizes = list(split_size_or_sections)
+            if builtins.sum(sizes) != n:
+                raise ValueError(f"split sizes {sizes} do not add up to dim {dim} of size {n}.")
+        out, start = [], 0
+        dim %= self.ndim
+        for s in sizes:
+            out.append(self[(slice(None),) * dim + (slice(start, start + s),)])
+            start += s
+        return tuple(out)
+
+    def chunk(self, chunks: int, dim: int = 0):
+        """torch.chunk: ceil(n / chunks) per piece; fewer pieces when n is small."""
+        n = self.shape[dim]
+        return self.split(builtins.max(1, -(-n // chunks)), dim)
+
+    # -- autograd
+    def backward(self, gradient=None, retain_graph: bool = False) -> None:
+        autograd.backward(self, gradient, retain_graph)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        if requires_grad and not np.issubdtype(self.dtype, np.floating):
+            raise TypeError(f"only floating-point tensors can require gradients, this one is "
+                            f"{self.dtype}; cast it first (.float()).")
+        self.requires_grad = requires_grad
+        return self
+
+
+class Tensor(TensorMethods):
+    """An n-dimensional array with autograd. ``Tensor(data, requires_grad=False)``.
+
+    Example:
+        >>> x = dtensor.tensor([[1.0, 2.0]], requires_grad=True)
+        >>> (x * x).sum().backward(); x.grad.numpy()
+        array([[2., 4.]], dtype=float32)
+    """
+
+    __slots__ = ("data", "requires_grad", "grad", "_node", "__weakref__")
+
+    def __init__(self, data: Any, requires_grad: bool = False, dtype=None):
+        if isinstance(data, TensorMethods):
+            data = data.numpy()
+        arr = np.asarray(data)
+        if dtype is not None:
+            arr = arr.astype(resolve_dtype(dtype), copy=False)
+        elif arr.dtype == np.float64 and not isinstance(data, np.ndarray):
+            arr = arr.astype(np.float32)  # Python floats default to float32, as in PyTorch
+        elif arr.dtype.name not in DTYPES:
+            raise TypeError(f"cannot make a tensor from {type(data).__name__} with numpy dtype "
+                            f"{arr.dtype}; supported dtypes: {', '.join(DTYPES)}.")
+        self.data = arr
+        self.grad = None
+        self._node = None
+        self.requires_grad = False
+        if requires_grad:
+            self.requires_grad_(True)
+
+    @staticmethod
+    def _wrap(arr: np.ndarray) -> "Tensor":
+        t = object.__new__(Tensor)
+        t.data = arr
+        t.requires_grad = False
+        t.grad = None
+        t._node = None
+        return t
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._node is None
+
+    def numpy(self) -> np.ndarray:
+        return self.data
+
+    def item(self):
+        return self.data.item()
+
+    def tolist(self):
+        return self.data.tolist()
+
+    def __array__(self, dtype=None, copy=None):
+        return self.data if dtype is None else self.data.astype(dtype)
+
+    def __float__(self) -> float:
+        return float(self.data)
+
+    def __bool__(self) -> bool:
+        return builtins.bool(self.data)
+
+    def detach(self) -> "Tensor":
+        return Tensor._wrap(self.data)
+
+    def clone(self) -> "Tensor":
+        return pw.add(self, 0)  # a recorded copy keeps the gradient path
+
+    def _ones_like(self) -> "Tensor":
+        return Tensor._wrap(np.ones_like(self.data))
+
+    # -- in-place updates (optimizers, init). They replace the values, not the graph.
+    def copy_(self, src) -> "Tensor":
+        src = src.data if isinstance(src, Tensor) else np.asarray(src)
+        if src.shape != self.data.shape:
+            raise ValueError(f"copy_: source shape {src.shape} differs from {self.data.shape}.")
+        self.data = src.astype(self.data.dtype, copy=False)
+        return self
+
+    def zero_(self) -> "Tensor":
+        self.data = np.zeros_like(self.data)
+        return self
+
+    def normal_(self, mean: float = 0.0, std: float = 1.0) -> "Tensor":
+        return self.copy_(randn(*self.shape, dtype=self.dtype) * std + mean)
+
+    def uniform_(self, a: float = 0.0, b: float = 1.0) -> "Tensor":
+        return self.copy_(rand(*self.shape, dtype=self.dtype) * (b - a) + a)
+
+    def fill_(self, value) -> "Tensor":
+        self.data = np.full_like(self.data, value)
+        return self
+
+    def __repr__(self) -> str:
+        body = np.array2string(self.data, separator=", ", prefix="tensor(")
+        extra = ", requires_grad=True" if self.requires_grad else ""
+        if self.dtype != np.float32:
+            extra = f", dtype={self.dtype}" + extra
+        return f"tensor({body}{extra})"
+
+
+registry._EAGER.add(Tensor)
+registry._wrap = Tensor._wrap
+
+
+def matmul(x, y):
+    """Matrix product with numpy semantics (1-D operands are promoted and squeezed back)."""
+    xv, yv = x.ndim == 1, y.ndim == 1
+    if xv:
+        x = x.reshape(1, -1)
+    if yv:
+        y = y.reshape(-1, 1)
+    out = st.matmul(x, y)
+    if xv:
+        out = out.reshape(out.shape[:-2] + out.shape[-1:])
+    if yv:
+        out = out.reshape(out.shape[:-1])
+    return out
+
+
+def tensor(data, dtype=None, requires_grad: bool = False) -> Tensor:
+    """Make a Tensor (float lists default to float32). ``dtensor.tensor([1.0, 2.0])``."""
+    return Tensor(data, requires_grad=requires_grad, dtype=dtype)
+
+
+def as_tensor(x, dtype=None) -> Tensor:
+    if isinstance(x, Tensor) and (dtype is None or resolve_dtype(dtype) == x.dtype):
+        return x
+    return Tensor(x, dtype=dtype)
+
+
+def _factory_dtype(dtype):
+    return np.dtype(np.float32) if dtype is None else resolve_dtype(dtype)
+
+
+def zeros(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
+    return Tensor(np.zeros(_shape_arg(shape), _factory_dtype(dtype)), requires_grad)
+
+
+def ones(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
+    return Tensor(np.ones(_shape_arg(shape), _factory_dtype(dtype)), requires_grad)
+
+
+def full(shape: Sequence[int], value, dtype=None, requires_grad: bool = False) -> Tensor:
+    return Tensor(np.full(tuple(shape), value, _factory_dtype(dtype)), requires_grad)
+
+
+def zeros_like(t, dtype=None) -> Tensor:
+    return zeros(*t.shape, dtype=dtype or t.dtype)
+
+
+def ones_like(t, dtype=None) -> Tensor:
+    return ones(*t.shape, dtype=dtype or t.dtype)
+
+
+def arange(start, stop=None, step=1, dtype=None) -> Tensor:
+    if stop is None:
+        start, stop = 0, start
+    return Tensor(np.arange(start, stop, step, dtype=None if dtype is None else
+                            resolve_dtype(dtype)))
+
+
+def rand(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
+    """Uniform [0, 1) from the counter-based generator: element i depends only on (seed, call, i)."""
+    from dtensor import random
+    out = st.rand(shape=_shape_arg(shape), key=random.next_key(), dtype=_factory_dtype(dtype))
+    return out.requires_grad_() if requires_grad else out
+
+
+def randn(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
+    """Standard normal from the counter-based generator (Box-Muller over Philox, as Triton)."""
+    from dtensor import random
+    out = st.randn(shape=_shape_arg(shape), key=random.next_key(), dtype=_factory_dtype(dtype))
+    return out.requires_grad_() if requires_grad else out
+
+
+def cat(tensors: Sequence, dim: int = 0):
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("cat() needs at least one tensor.")
+    nd = tensors[0].ndim
+    axis = dim % nd
+    for t in tensors[1:]:
+        if t.ndim != nd or any(a != b for i, (a, b) in enumerate(zip(t.shape, tensors[0].shape))
+                               if i != axis):
+            raise ValueError(f"cat along dim {dim}: shapes {[tuple(x.shape) for x in tensors]} "
+                             f"must match except in dim {dim}.")
+    return st.cat(*tensors, axis=axis)
+
+
+def where(condition, x, y):
+    return pw.where(condition, x, y)

@@ -20,3 +20,5 @@ __all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like
            "arange", "rand", "randn", "cat", "where", "matmul", "no_grad", "enable_grad",
            "is_grad_enabled", "manual_seed", "initial_seed", "float16", "float32", "float64",
            "int32", "int64", "bool_"]
+
+from dtensor import nn, optim  # noqa: E402  (after the core they build on)

@@ -1,0 +1,188 @@
+"""Functional neural-network ops, written as composites of the registry's primitives.
+
+They get autograd, sharding and codegen from their primitives. Where a composite's structure
+matters for the gradient (a max subtracted for stability, a mask) a comment says why.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dtensor import random
+from dtensor.ops import pointwise as pw
+from dtensor.ops import structural as st
+from dtensor.tensor import Tensor, as_tensor
+
+__all__ = ["relu", "gelu", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm", "dropout",
+           "embedding", "linear", "cross_entropy", "scaled_dot_product_attention"]
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def relu(x):
+    return x.relu()
+
+
+def gelu(x, approximate: str = "none"):
+    """GELU: exact ``0.5 x (1 + erf(x / sqrt 2))`` or, with approximate="tanh", the tanh form."""
+    if approximate == "none":
+        return 0.5 * x * (1.0 + (x * _SQRT_HALF).erf())
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + (_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
+    raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}.")
+
+
+def silu(x):
+    return x * x.sigmoid()
+
+
+def _stable_max(x, dim):
+    # The shift cancels in softmax, so its gradient is exactly zero: detaching it is not an
+    # approximation, and it saves the backward of max.
+    with_grad = x.max(dim, keepdims=True)
+    return with_grad.detach() if isinstance(with_grad, Tensor) else with_grad
+
+
+def softmax(x, dim: int = -1):
+    e = (x - _stable_max(x, dim)).exp()
+    return e / e.sum(dim, keepdims=True)
+
+
+def log_softmax(x, dim: int = -1):
+    s = x - _stable_max(x, dim)
+    return s - s.exp().sum(dim, keepdims=True).log()
+
+
+def _check_norm_shape(x, normalized_shape, name):
+    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if tuple(x.shape[-len(ns):]) != ns:
+        raise ValueError(f"{name}: normalized_shape {ns} does not match the trailing dims of the "
+                         f"input shape {tuple(x.shape)}.")
+    return tuple(range(x.ndim - len(ns), x.ndim))
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the trailing ``normalized_shape`` dims."""
+    dims = _check_norm_shape(x, normalized_shape, "layer_norm")
+    d = x - x.mean(dims, keepdims=True)
+    y = d / ((d * d).mean(dims, keepdims=True) + eps).sqrt()  # biased variance, as PyTorch
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def rms_norm(x, normalized_shape, weight=None, eps: float | None = None):
+    dims = _check_norm_shape(x, normalized_shape, "rms_norm")
+    eps = float(np.finfo(x.dtype).eps) if eps is None else eps
+    y = x / ((x * x).mean(dims, keepdims=True) + eps).sqrt()
+    return y if weight is None else y * weight
+
+
+def dropout(x, p: float = 0.5, training: bool = True):
+    """Zero each element with probability p, scale the rest by 1/(1-p).
+
+    The mask of element i is a pure function of (seed, call, i) (counter-based Philox), so it is
+    the same for every sharding of ``x`` and for compiled code.
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}.")
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x * 0.0
+    keep = st.rand(shape=tuple(x.shape), key=random.next_key(), dtype=np.dtype(np.float32)) >= p
+    return pw.where(keep, x * (1.0 / (1.0 - p)), 0.0)
+
+
+def embedding(idx, weight):
+    """Rows ``weight[idx]``: (..., ) int indices -> (..., D)."""
+    idx = as_tensor(idx) if not hasattr(idx, "dtype") else idx
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}.")
+    return st.index_select(weight, idx)
+
+
+def linear(x, weight, bias=None):
+    """``x @ weight.T + bias`` with weight (out, in), as torch.nn.functional.linear.
+
+    Leading dims are flattened first so the product is one GEMM (and so is the weight gradient,
+    instead of a batched product summed afterwards).
+    """
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear: input has {x.shape[-1]} features (shape {tuple(x.shape)}) but "
+                         f"the weight expects {weight.shape[-1]} (weight shape "
+                         f"{tuple(weight.shape)}, stored as (out_features, in_features)).")
+    lead = tuple(x.shape[:-1])
+    y = x.reshape(-1, x.shape[-1]) @ weight.mT  # (N, out)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(lead + (weight.shape[0],))
+
+
+def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mean"):
+    """Cross-entropy of logits ``input`` (N, C) or (N, C, d1, ...) against class indices.
+
+    The picked log-probability is a masked sum against a one-hot built from ``iota`` rather than
+    a gather: it needs no index op and stays correct when the class dim is sharded (each shard
+    contributes its part of the sum).
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got "
+                         f"{reduction!r}.")
+    if input.ndim > 2:  # class dim 1 -> last
+        input = input.permute((0,) + tuple(range(2, input.ndim)) + (1,))
+    target = as_tensor(target) if not hasattr(target, "dtype") else target
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(f"cross_entropy: target shape {tuple(target.shape)} does not match the "
+                         f"input's non-class dims {tuple(input.shape[:-1])} (input shape "
+                         f"{tuple(input.shape)}).")
+    if not np.issubdtype(target.dtype, np.integer):
+        raise TypeError(f"cross_entropy: target must hold class indices (integers), got dtype "
+                        f"{target.dtype}.")
+    logp = log_softmax(input, -1)
+    classes = st.iota(shape=tuple(input.shape), axis=input.ndim - 1, dtype=target.dtype)
+    onehot = classes == target.unsqueeze(-1)
+    nll = -pw.where(onehot, logp, 0.0).sum(-1)
+    valid = target != ignore_index
+    nll = pw.where(valid, nll, 0.0)
+    if reduction == "none":
+        return nll
+    if reduction == "sum":
+        return nll.sum()
+    # Mean over non-ignored targets; an all-ignored batch gives 0/0 = nan, as PyTorch.
+    return nll.sum() / valid.astype(input.dtype).sum()
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 training: bool = True):
+    """softmax(q k^T * scale + mask) v over (..., L, E) x (..., S, E) -> (..., L, Ev).
+
+    ``attn_mask`` is boolean (True = may attend) or additive float, broadcastable to (..., L, S).
+    """
+    L, S = query.shape[-2], key.shape[-2]
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"scaled_dot_product_attention: query dim {query.shape[-1]} != key dim "
+                         f"{key.shape[-1]} (shapes {tuple(query.shape)}, {tuple(key.shape)}).")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    att = (query @ key.mT) * scale  # (..., L, S)
+    if is_causal:
+        if attn_mask is not None:
+            raise ValueError("scaled_dot_product_attention: pass either attn_mask or "
+                             "is_causal=True, not both.")
+        rows = st.iota(shape=(L, S), axis=0, dtype=np.dtype(np.int64))
+        cols = st.iota(shape=(L, S), axis=1, dtype=np.dtype(np.int64))
+        attn_mask = cols <= rows
+    if attn_mask is not None:
+        if attn_mask.dtype == np.bool_:
+            att = pw.where(attn_mask, att, -np.inf)
+        else:
+            att = att + attn_mask
+    att = softmax(att, -1)
+    if dropout_p > 0.0:
+        att = dropout(att, dropout_p, training)
+    return att @ value

@@ -1,0 +1,114 @@
+"""Standard layers (PyTorch names, parameter layouts and default initialisation)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dtensor.tensor import rand, randn, resolve_dtype
+from dtensor.nn import functional as F
+from dtensor.nn.module import Module, Parameter
+
+__all__ = ["Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "GELU", "ReLU"]
+
+
+def _uniform(shape, bound, dtype):
+    return rand(*shape, dtype=dtype) * (2 * bound) - bound
+
+
+class Linear(Module):
+    """y = x @ W.T + b with W of shape (out_features, in_features); U(+-1/sqrt(in)) init."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None):
+        super().__init__()
+        dtype = resolve_dtype(dtype or np.float32)
+        self.in_features, self.out_features = in_features, out_features
+        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
+        self.weight = Parameter(_uniform((out_features, in_features), bound, dtype))
+        self.bias = Parameter(_uniform((out_features,), bound, dtype)) if bias else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+class Embedding(Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=None):
+        super().__init__()
+        dtype = resolve_dtype(dtype or np.float32)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = Parameter(randn(num_embeddings, embedding_dim, dtype=dtype))
+
+    def forward(self, idx):
+        return F.embedding(idx, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class LayerNorm(Module):
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, dtype=None):
+        super().__init__()
+        dtype = resolve_dtype(dtype or np.float32)
+        self.normalized_shape = ((normalized_shape,) if isinstance(normalized_shape, int)
+                                 else tuple(normalized_shape))
+        self.eps = eps
+        self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if elementwise_affine \
+            else None
+        self.bias = Parameter(np.zeros(self.normalized_shape, dtype)) \
+            if elementwise_affine and bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+
+class RMSNorm(Module):
+    def __init__(self, normalized_shape, eps: float | None = None,
+                 elementwise_affine: bool = True, dtype=None):
+        super().__init__()
+        dtype = resolve_dtype(dtype or np.float32)
+        self.normalized_shape = ((normalized_shape,) if isinstance(normalized_shape, int)
+                                 else tuple(normalized_shape))
+        self.eps = eps
+        self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if elementwise_affine \
+            else None
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class Dropout(Module):
+    def __init__(self, p: float = 0.5):
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"Dropout probability must be in [0, 1], got {p}.")
+        self.p = p
+
+    def forward(self, x):
+        return F.dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
+class GELU(Module):
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}.")
+        self.approximate = approximate
+
+    def forward(self, x):
+        return F.gelu(x, self.approximate)
+
+
+class ReLU(Module):
+    def forward(self, x):
+        return F.relu(x)

@@ -1,0 +1,98 @@
+"""SGD and AdamW with PyTorch semantics, written with ops so they run on Tensor and DTensor and
+can be traced by the compiler. Updates replace parameter values (``copy_``), never the graph."""
+from __future__ import annotations
+
+import math
+
+from dtensor.autograd import no_grad
+
+__all__ = ["Optimizer", "SGD", "AdamW"]
+
+
+class Optimizer:
+    def __init__(self, params, defaults: dict):
+        params = list(params)
+        if not params:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list.")
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        self.defaults = defaults
+        self.param_groups = []
+        for g in groups:
+            group = {**defaults, **g, "params": list(g["params"])}
+            for p in group["params"]:
+                if not getattr(p, "requires_grad", False):
+                    raise ValueError(f"{type(self).__name__}: a parameter of shape "
+                                     f"{tuple(p.shape)} does not require grad.")
+            self.param_groups.append(group)
+        self.state: dict = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.grad = None
+
+    def step(self) -> None:
+        with no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._update(p, p.grad, self.state.setdefault(p, {}), group)
+
+    def _update(self, p, g, state: dict, group: dict) -> None:
+        raise NotImplementedError
+
+
+def _check(name, value, lo=0.0, hi=math.inf):
+    if not lo <= value < hi:
+        raise ValueError(f"invalid {name}: {value} (must be in [{lo}, {hi})).")
+
+
+class SGD(Optimizer):
+    """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD)."""
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False):
+        _check("lr", lr)
+        _check("momentum", momentum)
+        _check("weight_decay", weight_decay)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0.")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov))
+
+    def _update(self, p, g, state, group):
+        if group["weight_decay"]:
+            g = g + group["weight_decay"] * p
+        mu = group["momentum"]
+        if mu:
+            buf = state.get("momentum_buffer")
+            buf = g if buf is None else buf * mu + (1.0 - group["dampening"]) * g
+            state["momentum_buffer"] = buf
+            g = g + mu * buf if group["nesterov"] else buf
+        p.copy_(p - group["lr"] * g)
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay and bias correction (torch.optim.AdamW)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        _check("lr", lr)
+        _check("beta1", betas[0], 0.0, 1.0)
+        _check("beta2", betas[1], 0.0, 1.0)
+        _check("eps", eps)
+        _check("weight_decay", weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+
+    def _update(self, p, g, state, group):
+        lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
+        t = state["step"] = state.get("step", 0) + 1
+        if "exp_avg" not in state:
+            state["exp_avg"] = g * 0.0
+            state["exp_avg_sq"] = g * 0.0
+        m = state["exp_avg"] = state["exp_avg"] * b1 + g * (1.0 - b1)
+        v = state["exp_avg_sq"] = state["exp_avg_sq"] * b2 + (g * g) * (1.0 - b2)
+        bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
+        denom = v.sqrt() * (1.0 / math.sqrt(bc2)) + eps
+        p.copy_(p * (1.0 - lr * group["weight_decay"]) - (m / denom) * (lr / bc1))

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dtensor import autograd
+from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import registry
 from dtensor.ops import structural as st
@@ -137,7 +138,7 @@ class TensorMethods:
     def log(self): return pw.log(self)
     def sqrt(self): return pw.sqrt(self)
     def tanh(self): return pw.tanh(self)
-    def erf(self): return pw.erf(self)
+    def erf(self): return nnops.erf(self)
     def sigmoid(self): return 1.0 / (1.0 + pw.exp(-self))
     def relu(self): return pw.where(self > 0, self, 0.0)
     def abs(self): return pw.where(self >= 0, self, -self)

@@ -10,16 +10,13 @@ import math
 import numpy as np
 
 from dtensor import random
+from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
-from dtensor.tensor import Tensor, as_tensor
+from dtensor.tensor import as_tensor
 
 __all__ = ["relu", "gelu", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm", "dropout",
            "embedding", "linear", "cross_entropy", "scaled_dot_product_attention"]
-
-_SQRT_HALF = 1.0 / math.sqrt(2.0)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
 
 def relu(x):
     return x.relu()
@@ -27,32 +24,29 @@ def relu(x):
 
 def gelu(x, approximate: str = "none"):
     """GELU: exact ``0.5 x (1 + erf(x / sqrt 2))`` or, with approximate="tanh", the tanh form."""
-    if approximate == "none":
-        return 0.5 * x * (1.0 + (x * _SQRT_HALF).erf())
-    if approximate == "tanh":
-        return 0.5 * x * (1.0 + (_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
-    raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}.")
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}.")
+    return nnops.gelu(x, approximate=approximate)
 
 
 def silu(x):
     return x * x.sigmoid()
 
 
-def _stable_max(x, dim):
-    # The shift cancels in softmax, so its gradient is exactly zero: detaching it is not an
-    # approximation, and it saves the backward of max.
-    with_grad = x.max(dim, keepdims=True)
-    return with_grad.detach() if isinstance(with_grad, Tensor) else with_grad
+def _over_last_dim(op, x, dim):
+    """Apply a last-dim op along ``dim`` by moving that dim last and back."""
+    dim %= x.ndim
+    if dim == x.ndim - 1:
+        return op(x)
+    return op(x.transpose(dim, -1)).transpose(dim, -1)
 
 
 def softmax(x, dim: int = -1):
-    e = (x - _stable_max(x, dim)).exp()
-    return e / e.sum(dim, keepdims=True)
+    return _over_last_dim(nnops.softmax, x, dim)
 
 
 def log_softmax(x, dim: int = -1):
-    s = x - _stable_max(x, dim)
-    return s - s.exp().sum(dim, keepdims=True).log()
+    return _over_last_dim(nnops.log_softmax, x, dim)
 
 
 def _check_norm_shape(x, normalized_shape, name):
@@ -126,9 +120,8 @@ def linear(x, weight, bias=None):
 def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mean"):
     """Cross-entropy of logits ``input`` (N, C) or (N, C, d1, ...) against class indices.
 
-    The picked log-probability is a masked sum against a one-hot built from ``iota`` rather than
-    a gather: it needs no index op and stays correct when the class dim is sharded (each shard
-    contributes its part of the sum).
+    Targets equal to ``ignore_index`` contribute nothing; "mean" divides by the number of the
+    others, as PyTorch.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got "
@@ -144,10 +137,9 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
         raise TypeError(f"cross_entropy: target must hold class indices (integers), got dtype "
                         f"{target.dtype}.")
     logp = log_softmax(input, -1)
-    classes = st.iota(shape=tuple(input.shape), axis=input.ndim - 1, dtype=target.dtype)
-    onehot = classes == target.unsqueeze(-1)
-    nll = -pw.where(onehot, logp, 0.0).sum(-1)
     valid = target != ignore_index
+    safe = pw.where(valid, target, 0)  # an ignored row still needs an in-range index to gather
+    nll = -st.gather(logp, safe.unsqueeze(-1), axis=logp.ndim - 1).squeeze(-1)
     nll = pw.where(valid, nll, 0.0)
     if reduction == "none":
         return nll
@@ -179,9 +171,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         attn_mask = cols <= rows
     if attn_mask is not None:
         if attn_mask.dtype == np.bool_:
-            att = pw.where(attn_mask, att, -np.inf)
-        else:
-            att = att + attn_mask
+            # An additive 0/-inf mask, built on the mask's own (usually (L, S)) shape, is exact:
+            # masked scores get probability 0, so softmax's backward sends them no gradient.
+            attn_mask = pw.where(attn_mask, 0.0, -np.inf).astype(att.dtype)
+        att = att + attn_mask
     att = softmax(att, -1)
     if dropout_p > 0.0:
         att = dropout(att, dropout_p, training)

@@ -6,13 +6,10 @@ float32 tensor plus 2.0 stays float32) and get no gradient.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from dtensor.ops.registry import Aval, defop
 
-_SQRT_2_OVER_PI = 2.0 / math.sqrt(math.pi)
 
 
 def _aval_of(x):
@@ -47,22 +44,6 @@ def _shape(x):
     return () if isinstance(x, (int, float, bool)) else x.shape
 
 
-def _erf(x):
-    """erf for float arrays: Numerical Recipes' erfc Chebyshev fit, |rel. error| < 1.2e-7.
-
-    numpy has no erf. This is accurate to float32 rounding; float64 inputs get the same fit
-    (finite-difference gradient checks still hold to ~1e-7). Compiled backends use their own
-    erf (libdevice / the Triton interpreter's numpy), which agree to float32 tolerance.
-    """
-    z = np.abs(x)
-    t = 1.0 / (1.0 + 0.5 * z)
-    poly = -z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
-            -0.82215223 + t * 0.17087277))))))))
-    erfc = t * np.exp(poly)
-    return np.copysign(1.0 - erfc, x).astype(x.dtype, copy=False)
-
-
 def _binary(name, impl, vjp, linearity, lower, **meta):
     return defop(name, impl=impl, abstract=pointwise_abstract, vjp=vjp, linearity=linearity,
                  shard="pointwise", lower=lower, **meta)
@@ -80,7 +61,7 @@ add = _binary(
 
 sub = _binary(
     "sub", np.subtract,
-    lambda g, out, x, y: (lambda: unbroadcast(g, _shape(x)), lambda: unbroadcast(-g, _shape(y))),
+    lambda g, out, x, y: (lambda: unbroadcast(g, _shape(x)), lambda: -unbroadcast(g, _shape(y))),
     "all", "({0} - {1})")
 
 mul = _binary(
@@ -124,10 +105,6 @@ log = _unary("log", np.log, lambda g, out, x: (g / x,), "log({0})", domain="posi
 sqrt = _unary("sqrt", np.sqrt, lambda g, out, x: (g * 0.5 / out,), "sqrt({0})",
               domain="positive")
 tanh = _unary("tanh", np.tanh, lambda g, out, x: (g * (1.0 - out * out),), "tanh({0})")
-# d erf(x)/dx = 2/sqrt(pi) exp(-x^2)
-erf = _unary("erf", _erf, lambda g, out, x: (g * _SQRT_2_OVER_PI * (-(x * x)).exp(),),
-             "erf({0})")
-
 # Comparisons produce booleans and have no gradient.
 eq = defop("eq", impl=np.equal, abstract=compare_abstract, shard="pointwise", lower="({0} == {1})")
 ne = defop("ne", impl=np.not_equal, abstract=compare_abstract, shard="pointwise",

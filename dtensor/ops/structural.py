@@ -162,6 +162,42 @@ index_add = defop(
     vjp=lambda g2, out, g, idx, num: (index_select(g2, idx), None),
     linearity="all", shard="index_add", lower="extern:index_add", nondiff=(1,))
 
+# ---------------------------------------------------------------- gather / scatter along a dim
+# torch.gather semantics: out[..., j] = x[..., idx[..., j]] along ``axis``.
+
+
+def _gather_abstract(x, idx, axis):
+    return Aval(tuple(idx.shape), x.dtype)
+
+
+gather = defop(
+    "gather", impl=lambda x, idx, axis: np.take_along_axis(x, idx, axis=axis),
+    abstract=_gather_abstract,
+    vjp=lambda g, out, x, idx, axis: (scatter_add(g, idx, axis=axis, size=x.shape[axis]), None),
+    linearity="all", shard="gather", lower="extern:gather", nondiff=(1,))
+
+
+def _scatter_add_impl(g, idx, axis, size):
+    shape = list(g.shape)
+    shape[axis] = size
+    out = np.zeros(shape, g.dtype)
+    if idx.shape[axis] == 1:  # one index per row (cross-entropy): no duplicates to accumulate
+        np.put_along_axis(out, idx, g, axis=axis)
+        return out
+    grids = list(np.indices(idx.shape, sparse=True))
+    grids[axis] = idx
+    np.add.at(out, tuple(grids), g)
+    return out
+
+
+# The vjp of gather: ``g`` summed into position ``idx`` along ``axis`` of zeros.
+scatter_add = defop(
+    "scatter_add", impl=_scatter_add_impl,
+    abstract=lambda g, idx, axis, size: Aval(
+        tuple(size if d == axis else n for d, n in enumerate(g.shape)), g.dtype),
+    vjp=lambda g2, out, g, idx, axis, size: (gather(g2, idx, axis=axis), None),
+    linearity="all", shard="scatter_add", lower="extern:scatter_add", nondiff=(1,))
+
 # ---------------------------------------------------------------- factories
 # Random values are a pure function of (key, global flat index): see dtensor/random.py.
 
@@ -188,4 +224,4 @@ def _flat_offsets(shape):
 
 
 __all__ = ["sum", "max", "reshape", "permute", "broadcast_to", "getitem", "slice_scatter", "cat",
-           "matmul", "index_select", "index_add", "iota", "rand", "randn", "where"]
+           "matmul", "index_select", "index_add", "gather", "scatter_add", "iota", "rand", "randn", "where"]

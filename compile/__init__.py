@@ -1,0 +1,1 @@
+"""Kernel compilation helpers (imported as ``dtensor.compile``)."""

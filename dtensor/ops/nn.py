@@ -1,0 +1,228 @@
+"""Neural-network primitives with direct rules: erf, gelu, softmax, log_softmax, backwards.
+
+Each is expressible with the pointwise and reduction primitives (tests/test_ops.py checks the
+direct op against that composite, values and gradients). They are primitives because
+benchmarks/gpt_step.py showed the composites' cost: GELU's erf is ~20 ufunc passes, and the
+composite softmax backward re-derives what ``y * (g - sum(g * y))`` gives in three. As single
+ops they run as fused, cache-blocked, multi-threaded numpy kernels (see blockwise.py), and the
+compiler lowers them as one fused group each.
+
+Backward ops (``*_backward``) have no vjp: double backward is not supported.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dtensor.ops import blockwise
+from dtensor.ops.pointwise import pointwise_abstract
+from dtensor.ops.registry import Aval, defop
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_TANH_C = 0.044715
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+
+# Numerical Recipes' erfc(z) = t exp(-z^2 + P(t)), t = 1 / (1 + z/2), |relative error| < 1.2e-7.
+_ERFC_COEFFS = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
+                0.09678418, 0.37409196, 1.00002368, -1.26551223)
+
+
+def erf_block(out, x):
+    """erf(x) into ``out`` (may alias nothing of x); numpy has no erf of its own."""
+    z = np.abs(x)
+    t = z * 0.5
+    t += 1.0
+    np.reciprocal(t, out=t)
+    p = t * _ERFC_COEFFS[0]
+    for c in _ERFC_COEFFS[1:-1]:
+        p += c
+        p *= t
+    p += _ERFC_COEFFS[-1]
+    z *= z
+    p -= z
+    np.exp(p, out=p)
+    p *= t  # erfc(|x|)
+    np.subtract(1.0, p, out=p)
+    np.copysign(p, x, out=out)
+
+
+# Abramowitz & Stegun 7.1.26: erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z), |error| < 1.5e-7.
+# GELU uses it because its exp(-z^2) is also the normal pdf that the backward needs, so each
+# pass costs one exp (the slowest ufunc here); the error is below float32 rounding of x Phi(x).
+_AS_P = 0.3275911
+_AS_COEFFS = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
+
+
+def _phi_and_pdf(x):
+    """Normal cdf Phi(x) and exp(-x^2/2) for a block, sharing one exp."""
+    z = np.abs(x)
+    z *= _SQRT_HALF
+    t = z * _AS_P
+    t += 1.0
+    np.reciprocal(t, out=t)
+    p = t * _AS_COEFFS[0]
+    for c in _AS_COEFFS[1:]:
+        p += c
+        p *= t
+    z *= z
+    np.negative(z, out=z)
+    e = np.exp(z, out=z)  # exp(-x^2/2)
+    p *= e  # erfc(|x|/sqrt2)
+    p *= -0.5
+    p += 0.5  # erf(|x|/sqrt2) / 2
+    np.copysign(p, x, out=p)  # erf is odd (a masked ufunc would be ~40x slower here)
+    p += 0.5  # Phi(x)
+    return p, e
+
+
+def _contig(a):
+    return np.ascontiguousarray(a)
+
+
+def _pointwise_new(kernel, x, *more):
+    x = _contig(x)
+    return blockwise.pointwise(kernel, np.empty_like(x), x, *[_contig(m) for m in more])
+
+
+# ---------------------------------------------------------------- erf
+
+# d erf(x)/dx = 2/sqrt(pi) exp(-x^2)
+erf = defop(
+    "erf", impl=lambda x: _pointwise_new(erf_block, x), abstract=pointwise_abstract,
+    vjp=lambda g, out, x: (g * _TWO_OVER_SQRT_PI * (-(x * x)).exp(),),
+    linearity="none", shard="pointwise", lower="erf({0})")
+
+
+# ---------------------------------------------------------------- gelu
+
+
+def _gelu_erf_block(out, x):
+    phi, _ = _phi_and_pdf(x)
+    np.multiply(phi, x, out=out)
+
+
+def _gelu_tanh_block(out, x):
+    u = x * x
+    u *= _TANH_C
+    u += 1.0
+    u *= x
+    u *= _SQRT_2_OVER_PI
+    np.tanh(u, out=out)
+    out += 1.0
+    out *= x
+    out *= 0.5
+
+
+def _gelu_erf_grad_block(out, g, x):
+    # d/dx [x Phi(x)] = Phi(x) + x phi(x)
+    phi, e = _phi_and_pdf(x)
+    e *= _INV_SQRT_2PI
+    e *= x
+    phi += e
+    np.multiply(phi, g, out=out)
+
+
+def _gelu_tanh_grad_block(out, g, x):
+    # y = x/2 (1 + tanh u), u = a (x + c x^3):
+    # dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) a (1 + 3 c x^2)
+    x2 = x * x
+    u = x2 * _TANH_C
+    u += 1.0
+    u *= x
+    u *= _SQRT_2_OVER_PI
+    th = np.tanh(u, out=u)
+    du = x2 * (3.0 * _TANH_C)
+    du += 1.0
+    du *= _SQRT_2_OVER_PI
+    sech2 = th * th
+    np.subtract(1.0, sech2, out=sech2)
+    du *= sech2
+    du *= x
+    np.add(th, 1.0, out=out)
+    out += du
+    out *= 0.5
+    out *= g
+
+
+def _gelu_impl(x, approximate):
+    return _pointwise_new(_gelu_erf_block if approximate == "none" else _gelu_tanh_block, x)
+
+
+def _gelu_backward_impl(g, x, approximate):
+    x = _contig(x)
+    g = _contig(np.broadcast_to(g, x.shape))
+    kernel = _gelu_erf_grad_block if approximate == "none" else _gelu_tanh_grad_block
+    return blockwise.pointwise(kernel, np.empty_like(x), g, x)
+
+
+gelu = defop(
+    "gelu", impl=_gelu_impl, abstract=lambda x, approximate: Aval(x.shape, x.dtype),
+    vjp=lambda g, out, x, approximate: (gelu_backward(g, x, approximate=approximate),),
+    shard="pointwise", lower="gelu_{approximate}({0})", params={"approximate": ("none", "tanh")})
+
+gelu_backward = defop(
+    "gelu_backward", impl=_gelu_backward_impl,
+    abstract=lambda g, x, approximate: pointwise_abstract(g, x), shard="pointwise",
+    lower="gelu_{approximate}_grad({0}, {1})", params={"approximate": ("none", "tanh")})
+
+# ---------------------------------------------------------------- softmax over the last dim
+
+
+def _softmax_block(out, x):
+    m = x.max(axis=1, keepdims=True)
+    np.subtract(x, m, out=out)
+    np.exp(out, out=out)
+    out /= out.sum(axis=1, keepdims=True)
+
+
+def _log_softmax_block(out, x):
+    m = x.max(axis=1, keepdims=True)
+    np.subtract(x, m, out=out)
+    e = np.exp(out)
+    out -= np.log(e.sum(axis=1, keepdims=True))
+
+
+def _softmax_backward_block(out, g, y):
+    # dx = y * (g - sum(g * y)): the Jacobian of softmax is diag(y) - y y^T.
+    np.multiply(g, y, out=out)
+    s = out.sum(axis=1, keepdims=True)
+    np.subtract(g, s, out=out)
+    out *= y
+
+
+def _log_softmax_backward_block(out, g, logp):
+    # dx = g - softmax * sum(g)
+    np.exp(logp, out=out)
+    out *= g.sum(axis=1, keepdims=True)
+    np.subtract(g, out, out=out)
+
+
+def _rowwise_new(kernel, *arrays):
+    shape = arrays[-1].shape
+    arrays = [_contig(np.broadcast_to(a, shape)) for a in arrays]
+    return blockwise.rowwise(kernel, np.empty_like(arrays[-1]), *arrays)
+
+
+def _last_dim_abstract(*xs):
+    return Aval(xs[-1].shape, xs[-1].dtype)
+
+
+softmax = defop(
+    "softmax", impl=lambda x: _rowwise_new(_softmax_block, x), abstract=_last_dim_abstract,
+    vjp=lambda g, out, x: (softmax_backward(g, out),), shard="rowwise", lower="rowwise:softmax")
+
+softmax_backward = defop(
+    "softmax_backward", impl=lambda g, y: _rowwise_new(_softmax_backward_block, g, y),
+    abstract=_last_dim_abstract, shard="rowwise", lower="rowwise:softmax_backward")
+
+log_softmax = defop(
+    "log_softmax", impl=lambda x: _rowwise_new(_log_softmax_block, x), abstract=_last_dim_abstract,
+    vjp=lambda g, out, x: (log_softmax_backward(g, out),), shard="rowwise",
+    lower="rowwise:log_softmax")
+
+log_softmax_backward = defop(
+    "log_softmax_backward", impl=lambda g, logp: _rowwise_new(_log_softmax_backward_block, g, logp),
+    abstract=_last_dim_abstract, shard="rowwise", lower="rowwise:log_softmax_backward")

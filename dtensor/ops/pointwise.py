@@ -6,6 +6,8 @@ float32 tensor plus 2.0 stays float32) and get no gradient.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from dtensor.ops.registry import Aval, defop
@@ -42,6 +44,10 @@ def unbroadcast(g, shape):
 
 def _shape(x):
     return () if isinstance(x, (int, float, bool)) else x.shape
+
+
+def _log(x):
+    return math.log(x) if isinstance(x, (int, float)) else log(x)
 
 
 def _binary(name, impl, vjp, linearity, lower, **meta):
@@ -81,7 +87,7 @@ div = _binary(
 pow = _binary(
     "pow", np.power,
     lambda g, out, x, y: (lambda: unbroadcast(g * y * x ** (y - 1), _shape(x)),
-                          lambda: unbroadcast(g * out * x.log(), _shape(y))),
+                          lambda: unbroadcast(g * out * _log(x), _shape(y))),
     "none", "pow({0}, {1})", domain="positive")
 
 

@@ -39,6 +39,10 @@ class Aval(NamedTuple):
     shape: tuple[int, ...]
     dtype: np.dtype
 
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
 
 @dataclass(eq=False)
 class Op:

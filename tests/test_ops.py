@@ -1,0 +1,295 @@
+"""Registry-wide tests: every op in dtensor.ops.OPS, against an independent numpy reference.
+
+For each op and sample: the value equals a plain-numpy expression written here; the abstract
+rule predicts the output's shape and dtype; and, for differentiable ops, the vjp equals float64
+central finite differences. An op without an entry in SAMPLES and REFERENCE fails
+test_every_op_is_covered, so a new op cannot slip in untested.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import dtensor
+from dtensor.ops import OPS, Aval, apply
+from dtensor.tensor import _index
+
+rng = np.random.default_rng(1234)
+
+
+def r(*shape, pos=False):
+    a = rng.standard_normal(shape)
+    return np.abs(a) + 0.5 if pos else a
+
+
+def ints(high, *shape):
+    return rng.integers(0, high, shape)
+
+
+def key(k, shape):
+    return _index(k, shape)
+
+
+_erf = np.vectorize(math.erf)
+
+
+def _np_softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _np_log_softmax(x):
+    s = x - x.max(-1, keepdims=True)
+    return s - np.log(np.exp(s).sum(-1, keepdims=True))
+
+
+def _np_gelu(x, approximate):
+    if approximate == "none":
+        return 0.5 * x * (1 + _erf(x / math.sqrt(2)))
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _np_gelu_grad(g, x, approximate):
+    h = 1e-6
+    return g * (_np_gelu(x + h, approximate) - _np_gelu(x - h, approximate)) / (2 * h)
+
+
+def _np_getitem(x, key):
+    return x[tuple(slice(*k) if isinstance(k, tuple) else k for k in key)]
+
+
+def _np_slice_scatter(g, shape, key):
+    out = np.zeros(shape, g.dtype)
+    out[tuple(slice(*k) if isinstance(k, tuple) else k for k in key)] = g
+    return out
+
+
+def _np_index_add(g, idx, num):
+    out = np.zeros((num,) + g.shape[idx.ndim:], g.dtype)
+    for pos in np.ndindex(*idx.shape):
+        out[idx[pos]] += g[pos]
+    return out
+
+
+def _np_scatter_add(g, idx, axis, size):
+    shape = list(g.shape)
+    shape[axis] = size
+    out = np.zeros(shape, g.dtype)
+    for pos in np.ndindex(*idx.shape):
+        tgt = list(pos)
+        tgt[axis] = idx[pos]
+        out[tuple(tgt)] += g[pos]
+    return out
+
+
+def _np_philox_uniform(key, n):
+    return dtensor.random.rand(key, np.arange(n, dtype=np.int64))
+
+
+def _np_philox_normal(key, n):
+    return dtensor.random.randn(key, np.arange(n, dtype=np.int64))
+
+
+BIN = [((r(3, 4), r(3, 4)), {}), ((r(3, 4), r(4)), {}), ((r(2, 1, 4), r(3, 1)), {}),
+       ((r(3, 4), 2.5), {}), ((1.5, r(3,)), {})]
+CMP = [((r(3, 4), r(4)), {}), ((r(3, 4), 0.0), {})]
+U = [((r(3, 4),), {})]
+
+SAMPLES = {
+    "add": BIN, "sub": BIN, "mul": BIN, "maximum": BIN[:3],
+    "div": [((r(3, 4), r(3, 4, pos=True)), {}), ((r(2, 3), r(3, pos=True)), {}),
+            ((2.0, r(4, pos=True)), {})],
+    "pow": [((r(3, 4, pos=True), r(3, 4)), {}), ((r(3, 4, pos=True), 3.0), {}),
+            ((2.0, r(5)), {}), ((r(2, 3, pos=True), r(3)), {})],
+    "neg": U, "exp": U, "tanh": U, "erf": [((2 * r(4, 5),), {})],
+    "log": [((r(3, 4, pos=True),), {})], "sqrt": [((r(3, 4, pos=True),), {})],
+    "eq": CMP + [((ints(3, 4, 5), ints(3, 5)), {})], "ne": CMP, "lt": CMP, "le": CMP, "gt": CMP,
+    "ge": CMP, "logical_not": [((r(3, 4) > 0,), {})],
+    "where": [((r(3, 4) > 0, r(3, 4), r(4)), {}), ((r(4) > 0, r(3, 4), 0.0), {}),
+              ((r(3, 1) > 0, -1.0, r(3, 4)), {})],
+    "cast": [((r(3, 4),), {"dtype": np.dtype(np.float32)}),
+             ((r(3, 4),), {"dtype": np.dtype(np.float64)})],
+    "sum": [((r(3, 4, 5),), {"axis": (1,), "keepdims": False}),
+            ((r(3, 4, 5),), {"axis": (0, 2), "keepdims": True}),
+            ((r(3, 4),), {"axis": (0, 1), "keepdims": False})],
+    "max": [((r(3, 4, 5),), {"axis": (2,), "keepdims": False}),
+            ((r(3, 4, 5),), {"axis": (0, 1), "keepdims": True}),
+            ((r(6),), {"axis": (0,), "keepdims": False})],
+    "reshape": [((r(3, 4),), {"shape": (2, 6)}), ((r(2, 3, 4),), {"shape": (6, 4)})],
+    "permute": [((r(2, 3, 4),), {"axes": (2, 0, 1)}), ((r(3, 4),), {"axes": (1, 0)})],
+    "broadcast_to": [((r(3, 1),), {"shape": (2, 3, 4)}), ((r(4),), {"shape": (3, 4)})],
+    "getitem": [((r(4, 5),), {"key": key((1, slice(1, 4)), (4, 5))}),
+                ((r(4, 5),), {"key": key((slice(None, None, 2),), (4, 5))}),
+                ((r(2, 3, 4),), {"key": key((Ellipsis, -1), (2, 3, 4))}),
+                ((r(3, 4),), {"key": key((None, slice(1, 3)), (3, 4))})],
+    "slice_scatter": [((r(2, 3),), {"shape": (4, 5), "key": key((slice(1, 3), slice(0, 3)),
+                                                                (4, 5))}),
+                      ((r(5),), {"shape": (4, 5), "key": key((2,), (4, 5))})],
+    "cat": [((r(2, 3), r(4, 3)), {"axis": 0}), ((r(2, 3), r(2, 1), r(2, 2)), {"axis": 1})],
+    "matmul": [((r(3, 4), r(4, 5)), {}), ((r(2, 3, 4), r(4, 5)), {}),
+               ((r(2, 1, 3, 4), r(3, 4, 2)), {})],
+    "index_select": [((r(6, 3), ints(6, 2, 4)), {}), ((r(5, 2, 2), ints(5, 7)), {})],
+    "index_add": [((r(2, 4, 3), ints(6, 2, 4)), {"num": 6}), ((r(7,), ints(3, 7)), {"num": 3})],
+    "gather": [((r(4, 6), ints(6, 4, 2)), {"axis": 1}), ((r(4, 6), ints(6, 4, 1)), {"axis": 1}),
+               ((r(5, 3), ints(5, 2, 3)), {"axis": 0})],
+    "scatter_add": [((r(4, 3), ints(6, 4, 3)), {"axis": 1, "size": 6}),
+                    ((r(4, 1), ints(6, 4, 1)), {"axis": 1, "size": 6})],
+    "iota": [((), {"shape": (3, 4), "axis": 1, "dtype": np.dtype(np.int64)}),
+             ((), {"shape": (2, 5), "axis": 0, "dtype": np.dtype(np.float32)})],
+    "rand": [((), {"shape": (3, 4), "key": 123, "dtype": np.dtype(np.float32)})],
+    "randn": [((), {"shape": (5, 3), "key": 2 ** 40 + 7, "dtype": np.dtype(np.float64)})],
+    "gelu": [((2 * r(4, 5),), {"approximate": "none"}), ((2 * r(4, 5),), {"approximate": "tanh"})],
+    "gelu_backward": [((r(4, 5), 2 * r(4, 5)), {"approximate": "none"}),
+                      ((r(4, 5), 2 * r(4, 5)), {"approximate": "tanh"})],
+    "softmax": [((r(3, 5),), {}), ((3 * r(2, 3, 7),), {})],
+    "softmax_backward": [((r(3, 5), _np_softmax(r(3, 5))), {})],
+    "log_softmax": [((r(3, 5),), {}), ((3 * r(2, 3, 7),), {})],
+    "log_softmax_backward": [((r(3, 5), _np_log_softmax(r(3, 5))), {})],
+}
+
+REFERENCE = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": np.power,
+    "maximum": np.maximum, "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "tanh": np.tanh, "erf": _erf, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
+    "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "logical_not": np.logical_not,
+    "where": np.where, "cast": lambda x, dtype: x.astype(dtype),
+    "sum": lambda x, axis, keepdims: x.sum(axis=axis, keepdims=keepdims),
+    "max": lambda x, axis, keepdims: x.max(axis=axis, keepdims=keepdims),
+    "reshape": lambda x, shape: x.reshape(shape),
+    "permute": lambda x, axes: x.transpose(axes),
+    "broadcast_to": lambda x, shape: np.broadcast_to(x, shape),
+    "getitem": _np_getitem, "slice_scatter": _np_slice_scatter,
+    "cat": lambda *xs, axis: np.concatenate(xs, axis),
+    "matmul": lambda x, y: np.einsum("...ij,...jk->...ik", x, y),
+    "index_select": lambda w, idx: w[idx], "index_add": _np_index_add,
+    "gather": lambda x, idx, axis: np.take_along_axis(x, idx, axis),
+    "scatter_add": _np_scatter_add,
+    "iota": lambda shape, axis, dtype: np.indices(shape, dtype=dtype)[axis],
+    "rand": lambda shape, key, dtype: _np_philox_uniform(key, int(np.prod(shape))).reshape(
+        shape).astype(dtype),
+    "randn": lambda shape, key, dtype: _np_philox_normal(key, int(np.prod(shape))).reshape(
+        shape).astype(dtype),
+    "gelu": _np_gelu, "gelu_backward": _np_gelu_grad,
+    "softmax": _np_softmax, "log_softmax": _np_log_softmax,
+    "softmax_backward": lambda g, y: y * (g - (g * y).sum(-1, keepdims=True)),
+    "log_softmax_backward": lambda g, lp: g - np.exp(lp) * g.sum(-1, keepdims=True),
+}
+
+# erf/GELU use polynomial fits (|error| < 1.5e-7), so compare them a little more loosely.
+TOL = {"erf": 3e-7, "gelu": 3e-7, "gelu_backward": 1e-6}
+
+CASES = [(name, i) for name in sorted(SAMPLES) for i in range(len(SAMPLES[name]))]
+
+
+def _wrap(args, op):
+    return [dtensor.Tensor(a) if isinstance(a, np.ndarray) else a for a in args]
+
+
+def test_every_op_is_covered():
+    missing = sorted(set(OPS) - set(SAMPLES) | set(OPS) - set(REFERENCE))
+    assert not missing, f"ops without registry tests (add SAMPLES and REFERENCE): {missing}"
+    assert 25 <= len(OPS) <= 45, f"the primitive set should stay small; it has {len(OPS)}"
+
+
+@pytest.mark.parametrize("name,i", CASES)
+def test_value_and_abstract(name, i):
+    op = OPS[name]
+    args, params = SAMPLES[name][i]
+    out = apply(op, *_wrap(args, op), **params)
+    expect = np.asarray(REFERENCE[name](*args, **params))
+    tol = TOL.get(name, 1e-12)
+    assert out.shape == expect.shape
+    if name in ("rand", "randn"):
+        np.testing.assert_array_equal(out.numpy(), expect)
+    else:
+        np.testing.assert_allclose(out.numpy(), expect, rtol=tol, atol=tol)
+    avals = [Aval(a.shape, a.dtype) if isinstance(a, np.ndarray) else a for a in args]
+    assert op.abstract(*avals, **params) == Aval(out.shape, out.dtype)
+
+
+def _numeric_grad(op, args, params, which, g, eps=1e-6):
+    base = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    x = base[which]
+    grad = np.zeros_like(x, dtype=np.float64)
+    for pos in np.ndindex(*np.shape(x)):
+        old = x[pos]
+        x[pos] = old + eps
+        hi = np.sum(apply(op, *_wrap(base, op), **params).numpy().astype(np.float64) * g)
+        x[pos] = old - eps
+        lo = np.sum(apply(op, *_wrap(base, op), **params).numpy().astype(np.float64) * g)
+        x[pos] = old
+        grad[pos] = (hi - lo) / (2 * eps)
+    return grad
+
+
+GRAD_CASES = [(n, i) for n, i in CASES if OPS[n].vjp is not None]
+
+
+@pytest.mark.parametrize("name,i", GRAD_CASES)
+def test_vjp_matches_finite_differences(name, i):
+    op = OPS[name]
+    args, params = SAMPLES[name][i]
+    diff = [k for k, a in enumerate(args) if isinstance(a, np.ndarray) and
+            a.dtype == np.float64 and k not in op.nondiff]
+    assert diff, f"{name} sample {i} has no differentiable input"
+    tensors = [dtensor.Tensor(a, requires_grad=k in diff) if isinstance(a, np.ndarray) else a
+               for k, a in enumerate(args)]
+    out = apply(op, *tensors, **params)
+    g = rng.standard_normal(out.shape)
+    out.backward(dtensor.Tensor(g.astype(out.dtype)))
+    # float32 outputs (cast) are differentiated with a larger step and a looser tolerance.
+    lossy = out.dtype != np.float64
+    for k in diff:
+        num = _numeric_grad(op, args, params, k, g, eps=1e-3 if lossy else 1e-6)
+        got = tensors[k].grad
+        assert got.dtype == args[k].dtype and got.shape == args[k].shape
+        tol = 1e-3 if lossy else 1e-5
+        np.testing.assert_allclose(got.numpy(), num, rtol=tol, atol=tol,
+                                   err_msg=f"{name} sample {i}, input {k}")
+
+
+def test_max_ties_share_the_gradient():
+    x = dtensor.tensor(np.array([[1.0, 3.0, 3.0], [2.0, 0.0, 2.0]]), requires_grad=True)
+    x.max(axis=1).sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), [[0, 0.5, 0.5], [0.5, 0, 0.5]])
+
+
+# The direct-rule nn ops against the composites of primitives they replace: values and grads.
+COMPOSITES = {
+    "gelu": (lambda x: dtensor.nn.functional.gelu(x),
+             lambda x: 0.5 * x * (1.0 + (x * (1 / math.sqrt(2))).erf())),
+    "gelu_tanh": (lambda x: dtensor.nn.functional.gelu(x, "tanh"),
+                  lambda x: 0.5 * x * (1.0 + (math.sqrt(2 / math.pi) *
+                                              (x + 0.044715 * x * x * x)).tanh())),
+    "softmax": (lambda x: dtensor.nn.functional.softmax(x, -1),
+                lambda x: (x - x.max(-1, keepdims=True)).exp() /
+                (x - x.max(-1, keepdims=True)).exp().sum(-1, keepdims=True)),
+    "log_softmax": (lambda x: dtensor.nn.functional.log_softmax(x, 1),
+                    lambda x: x - x.max(1, keepdims=True) -
+                    (x - x.max(1, keepdims=True)).exp().sum(1, keepdims=True).log()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSITES))
+def test_direct_rule_equals_composite(name):
+    direct, composite = COMPOSITES[name]
+    x0 = 2 * r(3, 4, 6)
+    g = r(3, 4, 6)
+    results = []
+    for f in (direct, composite):
+        x = dtensor.Tensor(x0, requires_grad=True)
+        y = f(x)
+        y.backward(dtensor.Tensor(g))
+        results.append((y.numpy(), x.grad.numpy()))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
+
+
+def test_float32_stays_float32():
+    x = dtensor.randn(4, 8)
+    w = dtensor.randn(3, 8, requires_grad=True)
+    y = dtensor.nn.functional.gelu(dtensor.nn.functional.linear(x, w) * 2.0 + 1).sum()
+    y.backward()
+    assert y.dtype == np.float32 and w.grad.dtype == np.float32

@@ -92,6 +92,7 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
     grads = {id(root): grad}
     wanted_ids = {id(w) for w in wanted}
     found = {}
+    taken: set = set()  # gradients already stored in a .grad: a second leaf gets a copy
     with no_grad():
         for t in _topo_order(root):
             g = grads.pop(id(t), None)
@@ -102,7 +103,7 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
             node = t._node
             if node is None:
                 if accumulate_into_leaves:
-                    t.grad = g if t.grad is None else t.grad + g
+                    t.grad = g._owned(taken) if t.grad is None else t.grad + g
                 continue
             inputs = node.inputs
             gins = node.op.vjp(g, t, *inputs, **node.params)

@@ -372,13 +372,32 @@ class Tensor(TensorMethods):
     def _ones_like(self) -> "Tensor":
         return Tensor._wrap(np.ones_like(self.data))
 
-    # -- in-place updates (optimizers, init). They replace the values, not the graph.
+    # -- in-place updates (optimizers, init). They change the values, never the graph.
     def copy_(self, src) -> "Tensor":
+        """Copy ``src``'s values into this tensor (its memory; nothing aliases ``src``)."""
         src = src.data if isinstance(src, Tensor) else np.asarray(src)
         if src.shape != self.data.shape:
             raise ValueError(f"copy_: source shape {src.shape} differs from {self.data.shape}.")
-        self.data = src.astype(self.data.dtype, copy=False)
+        if self.data.flags.writeable:
+            np.copyto(self.data, src, casting="unsafe")
+        else:
+            self.data = np.array(src, dtype=self.data.dtype)
         return self
+
+    def _assign(self, new: "Tensor") -> None:
+        """Make ``new`` (a result this tensor's owner computed and owns) the value: no copy.
+
+        The optimizers' update path; the tracer records it as a write-back.
+        """
+        self.data = new.data.astype(self.data.dtype, copy=False)
+
+    def _owned(self, taken: set) -> "Tensor":
+        """This gradient if it owns writeable memory not already handed out, else a copy."""
+        d = self.data
+        if d.base is None and d.flags.writeable and id(self) not in taken:
+            taken.add(id(self))
+            return self
+        return Tensor._wrap(np.array(d))
 
     def zero_(self) -> "Tensor":
         self.data = np.zeros_like(self.data)

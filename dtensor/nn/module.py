@@ -65,6 +65,9 @@ class Module:
         if "_parameters" not in self.__dict__:
             raise AttributeError(f"cannot assign {name!r} before Module.__init__() is called; "
                                  f"call super().__init__() first in {type(self).__name__}.")
+        if name in self._buffers and (value is None or isinstance(value, TensorMethods)):
+            self._buffers[name] = value  # reassigning a buffer keeps it registered
+            return
         for table in (self._parameters, self._buffers, self._modules):
             table.pop(name, None)
         if isinstance(value, Parameter):
@@ -163,7 +166,7 @@ class Module:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters():
-            p.grad = None
+            p.grad = None if set_to_none or p.grad is None else p.grad * 0.0
 
     def requires_grad_(self, requires_grad: bool = True) -> "Module":
         for p in self.parameters():
@@ -266,6 +269,9 @@ class ModuleList(Module):
 
 
 class Sequential(ModuleList):
+    def __init__(self, *modules: Module):
+        super().__init__(modules)
+
     def forward(self, x):
         for m in self:
             x = m(x)

@@ -1,5 +1,6 @@
 """SGD and AdamW with PyTorch semantics, written with ops so they run on Tensor and DTensor and
-can be traced by the compiler. Updates replace parameter values (``copy_``), never the graph."""
+can be traced by the compiler. Updates replace parameter values (``_assign``), never the
+graph, and never write into a gradient (a gradient tensor may be shared)."""
 from __future__ import annotations
 
 import math
@@ -29,7 +30,10 @@ class Optimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:
             for p in g["params"]:
-                p.grad = None
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad = p.grad * 0.0
 
     def step(self) -> None:
         with no_grad():
@@ -66,10 +70,10 @@ class SGD(Optimizer):
         mu = group["momentum"]
         if mu:
             buf = state.get("momentum_buffer")
-            buf = g if buf is None else buf * mu + (1.0 - group["dampening"]) * g
+            buf = g * 1.0 if buf is None else buf * mu + (1.0 - group["dampening"]) * g
             state["momentum_buffer"] = buf
             g = g + mu * buf if group["nesterov"] else buf
-        p.copy_(p - group["lr"] * g)
+        p._assign(p - group["lr"] * g)
 
 
 class AdamW(Optimizer):
@@ -95,4 +99,4 @@ class AdamW(Optimizer):
         v = state["exp_avg_sq"] = state["exp_avg_sq"] * b2 + (g * g) * (1.0 - b2)
         bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
         denom = v.sqrt() * (1.0 / math.sqrt(bc2)) + eps
-        p.copy_(p * (1.0 - lr * group["weight_decay"]) - (m / denom) * (lr / bc1))
+        p._assign(p * (1.0 - lr * group["weight_decay"]) - (m / denom) * (lr / bc1))

@@ -1,0 +1,75 @@
+"""Placements: how a tensor is laid out along one mesh dim. ``Shard(d)``, ``Replicate()``,
+``Partial(op)``, frozen value types with short reprs: ``S(0)``, ``R``, ``P(sum)``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_size_and_offset"]
+
+
+class Placement:
+    """Base of the three placement kinds."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return isinstance(self, Shard) and (dim is None or self.dim == dim)
+
+    def is_replicate(self) -> bool:
+        return isinstance(self, Replicate)
+
+    def is_partial(self) -> bool:
+        return isinstance(self, Partial)
+
+
+def shard_size_and_offset(size: int, num_shards: int, index: int) -> tuple[int, int]:
+    """Local length and global offset of shard ``index`` of a dim of ``size`` (torch.chunk rule).
+
+    Every shard but the trailing ones holds ceil(size / num_shards); trailing shards may be
+    short or empty: size 5 over 4 -> lengths 2, 2, 1, 0 at offsets 0, 2, 4, 5.
+    """
+    if num_shards <= 0 or not 0 <= index < num_shards:
+        raise ValueError(f"shard index {index} is out of range for {num_shards} shards.")
+    chunk = -(-size // num_shards)
+    start = min(size, index * chunk)
+    return min(size, start + chunk) - start, start
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    """Split tensor dim ``dim`` over the mesh dim with torch.chunk semantics.
+
+    Rank r holds [r * c, min(T, (r + 1) * c)) where c = ceil(T / n); see
+    :func:`shard_size_and_offset`. Uneven and empty trailing shards are exact, not padded.
+    """
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    """Every rank of the mesh dim holds the whole tensor."""
+
+    def __repr__(self) -> str:
+        return "R"
+
+
+_REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    """Each rank holds a partial value; the tensor is their element-wise ``reduce_op``."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self):
+        if self.reduce_op not in _REDUCE_OPS:
+            raise ValueError(f"Partial reduce_op must be one of {_REDUCE_OPS}, got "
+                             f"{self.reduce_op!r}.")
+
+    def __repr__(self) -> str:
+        return f"P({self.reduce_op})"

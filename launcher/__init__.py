@@ -1,0 +1,1 @@
+"""``dtlaunch`` and ``spawn``: start N MPI ranks of a script or a function."""

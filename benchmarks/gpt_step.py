@@ -21,7 +21,6 @@ import time
 import numpy as np
 
 import dtensor
-from dtensor.ops.blockwise import num_threads
 
 
 def step_flops(cfg, batch: int, seq: int) -> float:
@@ -86,7 +85,7 @@ def main() -> None:
     flops = step_flops(cfg, args.batch, args.seq)
     gflops = flops / med / 1e9
     print(json.dumps({
-        "bench": "gpt_step", "mode": "eager", "ranks": 1, "threads": num_threads(),
+        "bench": "gpt_step", "mode": "eager", "ranks": 1,
         "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
         "step_s_median": round(med, 4), "step_s_min": round(min(times), 4),
         "step_s_max": round(max(times), 4), "steps": args.steps,

@@ -4,7 +4,34 @@ Import as ``import dtensor``; the public surface mirrors PyTorch where a name ex
 """
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+
 import numpy as np
+
+
+def _keep_freed_memory() -> None:
+    """Keep large freed blocks in glibc's heap instead of returning them to the kernel.
+
+    Every eager op allocates its output; by default glibc serves blocks over 128 KiB-32 MiB with
+    fresh mmaps and unmaps them on free, so each step page-faults its activations back in
+    (~2,600 faults and ~40 ms of system time per standard-workload step, measured). Raising the
+    mmap and trim thresholds makes freed activations reusable, as a caching allocator would.
+    DTENSOR_MALLOC_TUNING=0 turns it off.
+    """
+    if os.environ.get("DTENSOR_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, ...): nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
+_keep_freed_memory()
 
 from dtensor import ops  # noqa: F401  (registers every op before first use)
 from dtensor.autograd import enable_grad, is_grad_enabled, no_grad

@@ -56,6 +56,28 @@ def _np_gelu_grad(g, x, approximate):
     return g * (_np_gelu(x + h, approximate) - _np_gelu(x - h, approximate)) / (2 * h)
 
 
+def _np_normalize(x, eps):
+    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps)
+
+
+def _fd_vjp(f, g, x, h=1e-6):
+    """g^T J_f(x) by central differences of a plain-numpy f."""
+    out = np.zeros_like(x)
+    for pos in np.ndindex(*x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[pos] += h
+        xm[pos] -= h
+        out[pos] = np.sum(g * (f(xp) - f(xm))) / (2 * h)
+    return out
+
+
+def _np_adamw(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2):
+    m2 = beta1 * m + (1 - beta1) * g
+    v2 = beta2 * v + (1 - beta2) * g * g
+    p2 = p * (1 - lr * weight_decay) - lr / bc1 * m2 / (np.sqrt(v2) / np.sqrt(bc2) + eps)
+    return np.stack([p2, m2, v2])
+
+
 def _np_getitem(x, key):
     return x[tuple(slice(*k) if isinstance(k, tuple) else k for k in key)]
 
@@ -147,6 +169,11 @@ SAMPLES = {
     "softmax_backward": [((r(3, 5), _np_softmax(r(3, 5))), {})],
     "log_softmax": [((r(3, 5),), {}), ((3 * r(2, 3, 7),), {})],
     "log_softmax_backward": [((r(3, 5), _np_log_softmax(r(3, 5))), {})],
+    "normalize": [((3 * r(4, 6) + 1,), {"eps": 1e-5}), ((r(2, 3, 5),), {"eps": 0.1})],
+    "normalize_backward": [((r(4, 6), 3 * r(4, 6) + 1), {"eps": 1e-5})],
+    "adamw_step": [((r(3, 4), r(3, 4), r(3, 4), r(3, 4, pos=True)),
+                    dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
+                         bc1=1 - 0.9 ** 3, bc2=1 - 0.99 ** 3))],
 }
 
 REFERENCE = {
@@ -175,10 +202,13 @@ REFERENCE = {
     "softmax": _np_softmax, "log_softmax": _np_log_softmax,
     "softmax_backward": lambda g, y: y * (g - (g * y).sum(-1, keepdims=True)),
     "log_softmax_backward": lambda g, lp: g - np.exp(lp) * g.sum(-1, keepdims=True),
+    "normalize": _np_normalize,
+    "normalize_backward": lambda g, x, eps: _fd_vjp(lambda a: _np_normalize(a, eps), g, x),
+    "adamw_step": _np_adamw,
 }
 
 # erf/GELU use polynomial fits (|error| < 1.5e-7), so compare them a little more loosely.
-TOL = {"erf": 3e-7, "gelu": 3e-7, "gelu_backward": 1e-6}
+TOL = {"erf": 3e-7, "gelu": 3e-7, "gelu_backward": 1e-6, "normalize_backward": 1e-7}
 
 CASES = [(name, i) for name in sorted(SAMPLES) for i in range(len(SAMPLES[name]))]
 
@@ -190,7 +220,7 @@ def _wrap(args, op):
 def test_every_op_is_covered():
     missing = sorted(set(OPS) - set(SAMPLES) | set(OPS) - set(REFERENCE))
     assert not missing, f"ops without registry tests (add SAMPLES and REFERENCE): {missing}"
-    assert 25 <= len(OPS) <= 45, f"the primitive set should stay small; it has {len(OPS)}"
+    assert 25 <= len(OPS) <= 50, f"the primitive set should stay small; it has {len(OPS)}"
 
 
 @pytest.mark.parametrize("name,i", CASES)

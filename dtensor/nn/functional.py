@@ -60,8 +60,10 @@ def _check_norm_shape(x, normalized_shape, name):
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
     """(x - mean) / sqrt(var + eps) * weight + bias over the trailing ``normalized_shape`` dims."""
     dims = _check_norm_shape(x, normalized_shape, "layer_norm")
-    d = x - x.mean(dims, keepdims=True)
-    y = d / ((d * d).mean(dims, keepdims=True) + eps).sqrt()  # biased variance, as PyTorch
+    lead = tuple(x.shape[:x.ndim - len(dims)])
+    # normalize works on the last dim (biased variance, as PyTorch); fold trailing dims into it.
+    y = nnops.normalize(x.reshape(lead + (-1,)) if len(dims) > 1 else x, eps=float(eps))
+    y = y.reshape(tuple(x.shape)) if len(dims) > 1 else y
     if weight is not None:
         y = y * weight
     if bias is not None:
@@ -161,7 +163,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         raise ValueError(f"scaled_dot_product_attention: query dim {query.shape[-1]} != key dim "
                          f"{key.shape[-1]} (shapes {tuple(query.shape)}, {tuple(key.shape)}).")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    att = (query @ key.mT) * scale  # (..., L, S)
+    att = (query * scale) @ key.mT  # (..., L, S); scaling q touches L*E, not L*S, elements
     if is_causal:
         if attn_mask is not None:
             raise ValueError("scaled_dot_product_attention: pass either attn_mask or "

@@ -1,71 +1,33 @@
-"""Run a numpy kernel over row blocks of its arrays, on this rank's threads.
+"""Run a fused numpy kernel over cache-sized blocks of its arrays.
 
-numpy runs one ufunc at a time over whole arrays, single-threaded: a fused expression of k
-ufuncs streams every operand through memory k times on one core. Splitting the arrays into
-cache-sized row blocks keeps a fused kernel's temporaries in cache, and ufuncs release the GIL,
-so blocks run in parallel on ``num_threads()`` threads (one per core available to this rank;
-set ``DTENSOR_NUM_THREADS`` or ``OMP_NUM_THREADS``, as dtlaunch does per rank).
+numpy runs one ufunc at a time over whole arrays: a fused expression of k ufuncs streams every
+operand through memory k times. Calling the kernel on blocks of a few hundred KiB keeps its
+temporaries in L2, so only the inputs and the output travel to memory once.
+
+Blocks run on the calling thread. Splitting them over a second thread was measured slower on the
+benchmark machine (2 cores): between GEMMs, OpenBLAS's worker threads spin on the other core,
+and per-ufunc overhead holds the GIL.
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
-_BLOCK_BYTES = 1 << 17  # ~128 KiB per operand block: a kernel's few temporaries stay in L2
-_pool: ThreadPoolExecutor | None = None
-_pool_threads = 0
+# 256 KiB per operand block: large enough that the per-ufunc overhead (~1.5 us) is small against
+# the work, small enough that a kernel's few temporaries stay in L2.
+_BLOCK_BYTES = 1 << 18
 
 
-def num_threads() -> int:
-    for var in ("DTENSOR_NUM_THREADS", "OMP_NUM_THREADS"):
-        v = os.environ.get(var)
-        if v and v.isdigit() and int(v) > 0:
-            return int(v)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def _get_pool(n: int) -> ThreadPoolExecutor:
-    global _pool, _pool_threads
-    if _pool is None or _pool_threads != n:
-        _pool = ThreadPoolExecutor(n, thread_name_prefix="dtensor-blockwise")
-        _pool_threads = n
-    return _pool
-
-
-def run_rows(kernel, arrays: list[np.ndarray], rows: int, row_bytes: int) -> None:
-    """Call ``kernel(lo, hi)`` for row ranges covering ``rows`` (the kernel slices ``arrays``).
-
-    Ranges hold about _BLOCK_BYTES of one operand; they are split across threads in contiguous
-    groups so each thread streams its own part of memory.
-    """
+def run_rows(kernel, rows: int, row_bytes: int) -> None:
+    """Call ``kernel(lo, hi)`` for consecutive row ranges of about _BLOCK_BYTES covering ``rows``."""
     per = max(1, _BLOCK_BYTES // max(row_bytes, 1))
-    starts = list(range(0, rows, per))
-    threads = min(num_threads(), len(starts))
-
-    def work(group):
-        for s in group:
-            kernel(s, min(s + per, rows))
-
-    if threads <= 1:
-        work(starts)
-        return
-    size = -(-len(starts) // threads)
-    groups = [starts[i:i + size] for i in range(0, len(starts), size)]
-    for f in [_get_pool(threads).submit(work, g) for g in groups]:
-        f.result()
+    for lo in range(0, rows, per):
+        kernel(lo, min(lo + per, rows))
 
 
 def pointwise(kernel, out: np.ndarray, *ins: np.ndarray) -> np.ndarray:
     """``kernel(out_block, *in_blocks)`` over flat blocks of same-shape C-contiguous arrays."""
     flat = [a.reshape(-1) for a in (out,) + ins]
-    n = flat[0].size
-
-    def run(lo, hi):
-        kernel(*[a[lo:hi] for a in flat])
-
-    run_rows(run, flat, n, out.itemsize)
+    run_rows(lambda lo, hi: kernel(*[a[lo:hi] for a in flat]), flat[0].size, out.itemsize)
     return out
 
 
@@ -73,9 +35,6 @@ def rowwise(kernel, out: np.ndarray, *ins: np.ndarray) -> np.ndarray:
     """``kernel(out_rows, *in_rows)`` over blocks of rows of arrays viewed as (rows, last dim)."""
     d = out.shape[-1] if out.ndim else 1
     views = [a.reshape(-1, d) for a in (out,) + ins]
-
-    def run(lo, hi):
-        kernel(*[v[lo:hi] for v in views])
-
-    run_rows(run, views, views[0].shape[0], d * out.itemsize)
+    run_rows(lambda lo, hi: kernel(*[v[lo:hi] for v in views]), views[0].shape[0],
+             d * out.itemsize)
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from dtensor.autograd import no_grad
+from dtensor.ops.nn import adamw_step
 
 __all__ = ["Optimizer", "SGD", "AdamW"]
 
@@ -90,13 +91,13 @@ class AdamW(Optimizer):
                                       weight_decay=weight_decay))
 
     def _update(self, p, g, state, group):
-        lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
+        (b1, b2) = group["betas"]
         t = state["step"] = state.get("step", 0) + 1
         if "exp_avg" not in state:
-            state["exp_avg"] = g * 0.0
-            state["exp_avg_sq"] = g * 0.0
-        m = state["exp_avg"] = state["exp_avg"] * b1 + g * (1.0 - b1)
-        v = state["exp_avg_sq"] = state["exp_avg_sq"] * b2 + (g * g) * (1.0 - b2)
-        bc1, bc2 = 1.0 - b1 ** t, 1.0 - b2 ** t
-        denom = v.sqrt() * (1.0 / math.sqrt(bc2)) + eps
-        p._assign(p * (1.0 - lr * group["weight_decay"]) - (m / denom) * (lr / bc1))
+            state["exp_avg"] = state["exp_avg_sq"] = g * 0.0
+        # One fused op: reads p, g, m, v once and returns the three new values stacked.
+        new = adamw_step(p, g, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=b1,
+                         beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                         bc1=1.0 - b1 ** t, bc2=1.0 - b2 ** t)
+        p._assign(new[0])
+        state["exp_avg"], state["exp_avg_sq"] = new[1], new[2]

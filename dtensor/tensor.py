@@ -392,12 +392,15 @@ class Tensor(TensorMethods):
         self.data = new.data.astype(self.data.dtype, copy=False)
 
     def _owned(self, taken: set) -> "Tensor":
-        """This gradient if it owns writeable memory not already handed out, else a copy."""
+        """This gradient if it owns writeable C-ordered memory not already handed out, else a
+        C-ordered copy (a weight's gradient arrives as the transpose of a GEMM result; the
+        optimizer then streams it in the parameter's own order)."""
         d = self.data
-        if d.base is None and d.flags.writeable and id(self) not in taken:
+        if d.base is None and d.flags.writeable and d.flags.c_contiguous and id(self) not in taken:
             taken.add(id(self))
             return self
-        return Tensor._wrap(np.array(d))
+        return Tensor._wrap(np.ascontiguousarray(d) if d.base is not None or not
+                            d.flags.c_contiguous else d.copy())
 
     def zero_(self) -> "Tensor":
         self.data = np.zeros_like(self.data)

@@ -49,36 +49,36 @@ class Embedding(Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-class LayerNorm(Module):
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, dtype=None):
+class _Norm(Module):
+    """Shared parameters of LayerNorm and RMSNorm: weight 1 (and bias 0) over the trailing dims."""
+
+    def __init__(self, normalized_shape, eps, elementwise_affine: bool, bias: bool, dtype):
         super().__init__()
         dtype = resolve_dtype(dtype or np.float32)
         self.normalized_shape = ((normalized_shape,) if isinstance(normalized_shape, int)
                                  else tuple(normalized_shape))
         self.eps = eps
-        self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if elementwise_affine \
-            else None
-        self.bias = Parameter(np.zeros(self.normalized_shape, dtype)) \
-            if elementwise_affine and bias else None
-
-    def forward(self, x):
-        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        affine = elementwise_affine
+        self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if affine else None
+        self.bias = Parameter(np.zeros(self.normalized_shape, dtype)) if affine and bias else None
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
 
 
-class RMSNorm(Module):
+class LayerNorm(_Norm):
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, dtype)
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(_Norm):
     def __init__(self, normalized_shape, eps: float | None = None,
                  elementwise_affine: bool = True, dtype=None):
-        super().__init__()
-        dtype = resolve_dtype(dtype or np.float32)
-        self.normalized_shape = ((normalized_shape,) if isinstance(normalized_shape, int)
-                                 else tuple(normalized_shape))
-        self.eps = eps
-        self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if elementwise_affine \
-            else None
+        super().__init__(normalized_shape, eps, elementwise_affine, False, dtype)
 
     def forward(self, x):
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)

@@ -1,0 +1,400 @@
+"""Communication: the Comm interface over MPI (mpi4py's buffer API, no pickling on the data path).
+
+Every collective takes and returns contiguous numpy arrays and has a non-blocking form
+(``async_op=True`` returns a :class:`Work` whose ``wait()`` gives the result). Uneven sizes use
+MPI's v-collectives (Allgatherv, Reduce_scatter with counts, Alltoallv), so nothing is padded.
+A world of one needs no mpiexec: MPI starts as a singleton. Sub-communicators are made once per
+partition of ranks with ``Split`` and cached.
+
+``count_collectives()`` records every collective issued (kind, group, bytes) so tests can assert
+exact counts. ``bytes`` is the size of the logical buffer of the collective: the input of
+all_reduce / reduce_scatter / all_to_all / broadcast / send, the gathered output of all_gather.
+
+Example (run under ``dtlaunch --nproc 2``):
+    >>> comm = dtensor.comm.get_world()
+    >>> comm.all_reduce(np.ones(3) * comm.rank)       # [1., 1., 1.] on both ranks
+"""
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+__all__ = ["Comm", "Work", "get_world", "count_collectives", "CollectiveLog", "CollectiveEvent",
+           "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+# ----------------------------------------------------------------------------- debug counter
+
+@dataclass(frozen=True)
+class CollectiveEvent:
+    kind: str
+    group: tuple[int, ...]  # global ranks of the communicator
+    bytes: int
+    dtype: str
+
+
+@dataclass
+class CollectiveLog:
+    """The collectives issued inside one ``count_collectives()`` block, in order."""
+
+    events: list[CollectiveEvent] = field(default_factory=list)
+
+    def count(self, kind: str | None = None) -> int:
+        return sum(1 for e in self.events if kind is None or e.kind == kind)
+
+    def bytes(self, kind: str | None = None) -> int:
+        return sum(e.bytes for e in self.events if kind is None or e.kind == kind)
+
+    def summary(self) -> dict[str, tuple[int, int]]:
+        """kind -> (count, bytes)."""
+        out: dict[str, tuple[int, int]] = {}
+        for e in self.events:
+            n, b = out.get(e.kind, (0, 0))
+            out[e.kind] = (n + 1, b + e.bytes)
+        return out
+
+
+class _Logs(threading.local):
+    active: list = []
+
+
+_logs = _Logs()
+
+
+@contextmanager
+def count_collectives() -> Iterator[CollectiveLog]:
+    """Record every collective issued by this thread inside the block.
+
+    Example:
+        >>> with count_collectives() as log:
+        ...     comm.all_reduce(x)
+        >>> log.count("all_reduce")
+        1
+    """
+    log = CollectiveLog()
+    _logs.active = _logs.active + [log]
+    try:
+        yield log
+    finally:
+        _logs.active = [x for x in _logs.active if x is not log]
+
+
+# ----------------------------------------------------------------------------- handles
+
+class Work:
+    """Handle of a non-blocking collective. ``wait()`` completes it and returns its result."""
+
+    __slots__ = ("_req", "_finish", "_result", "_done")
+
+    def __init__(self, req, finish: Callable[[], object]):
+        self._req, self._finish, self._done, self._result = req, finish, False, None
+
+    def wait(self):
+        if not self._done:
+            if self._req is not None:
+                self._req.Wait()
+            self._result = self._finish()
+            self._done = True
+            self._req = self._finish = None
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done or self._req is None or bool(self._req.Test())
+
+
+def _done(value) -> Work:
+    w = Work(None, lambda: value)
+    w.wait()
+    return w
+
+
+# ----------------------------------------------------------------------------- Comm
+
+def _mpi():
+    from mpi4py import MPI  # imported on first use: single-process dtensor never starts MPI
+    return MPI
+
+
+def _contig(x) -> np.ndarray:
+    x = np.asarray(x)
+    if x.dtype.name not in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                            "uint8", "bool"):
+        raise TypeError(f"collectives take numeric numpy arrays, got dtype {x.dtype}.")
+    return np.ascontiguousarray(x)
+
+
+def _even_sizes(total: int, n: int, what: str) -> list[int]:
+    if total % n:
+        raise ValueError(f"{what}: dim of size {total} does not split evenly over {n} ranks; "
+                         f"pass sizes=[...] (one length per rank) for an uneven split.")
+    return [total // n] * n
+
+
+class Comm:
+    """A communicator: the ranks of one process group and its collectives.
+
+    Attributes:
+        rank: this process's rank in the group. size: number of ranks.
+        ranks: the group's members as global (world) ranks, in group order.
+    """
+
+    def __init__(self, mpi_comm, ranks: tuple[int, ...]):
+        self._c = mpi_comm
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
+        self.ranks = ranks
+        self._groups: dict[tuple, Comm] = {}
+        self._check = os.environ.get("DTENSOR_COMM_CHECK", "0") not in ("0", "")
+
+    def __repr__(self) -> str:
+        return f"Comm(rank={self.rank}, size={self.size}, ranks={list(self.ranks)})"
+
+    # -- bookkeeping
+    def _record(self, kind: str, nbytes: int, dtype) -> None:
+        if _logs.active:
+            ev = CollectiveEvent(kind, self.ranks, int(nbytes), str(np.dtype(dtype)))
+            for log in _logs.active:
+                log.events.append(ev)
+
+    def _op(self, op: str):
+        if op not in REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}.")
+        MPI = _mpi()
+        return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+
+    def _agree(self, what: str, mine: tuple) -> None:
+        """With DTENSOR_COMM_CHECK=1: every rank checks that its peers passed matching buffers.
+
+        One small allgather of (dtype, shape) per collective; a mismatch raises on every rank
+        (instead of corrupting data or hanging inside MPI).
+        """
+        if not self._check or self.size == 1:
+            return
+        theirs = self._c.allgather(mine)
+        if any(t != theirs[0] for t in theirs):
+            raise ValueError(
+                f"{what}: ranks passed mismatched buffers: "
+                + ", ".join(f"rank {r}: {t}" for r, t in enumerate(theirs))
+                + ". Every rank must pass the same dtype and shape (use sizes=[...] for "
+                  "uneven gathers/scatters).")
+
+    def _avg(self, out: np.ndarray, op: str) -> np.ndarray:
+        if op == "avg":
+            out /= self.size
+        return out
+
+    # -- collectives
+    def all_reduce(self, x, op: str = "sum", async_op: bool = False):
+        """Element-wise reduction of ``x`` over all ranks; every rank gets the result."""
+        x = _contig(x)
+        mpi_op = self._op(op)
+        if op == "avg" and not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {x.dtype}.")
+        self._agree("all_reduce", (str(x.dtype), x.shape, op))
+        self._record("all_reduce", x.nbytes, x.dtype)
+        out = np.empty_like(x)
+        if async_op:
+            return Work(self._c.Iallreduce(x, out, op=mpi_op), lambda: self._avg(out, op))
+        self._c.Allreduce(x, out, op=mpi_op)
+        return self._avg(out, op)
+
+    def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None,
+                   async_op: bool = False):
+        """Concatenate every rank's ``x`` along ``axis`` (rank order).
+
+        Args:
+            sizes: each rank's length along ``axis`` when they differ (uneven shards); by
+                default all ranks are assumed to pass the same shape.
+        """
+        x = _contig(x)
+        axis %= max(x.ndim, 1)
+        sizes = [x.shape[axis]] * self.size if sizes is None else [int(s) for s in sizes]
+        self._check_sizes("all_gather", sizes, x.shape[axis])
+        self._agree("all_gather", (str(x.dtype), x.shape[:axis] + x.shape[axis + 1:]))
+        front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
+        row = int(np.prod(front.shape[1:]))
+        out = np.empty((sum(sizes),) + front.shape[1:], x.dtype)
+        self._record("all_gather", out.nbytes, x.dtype)
+        counts = [s * row for s in sizes]
+        spec = [out, (counts, np.cumsum([0] + counts[:-1]).tolist())]
+
+        def finish():
+            return np.ascontiguousarray(np.moveaxis(out, 0, axis)) if axis else out
+
+        if async_op:
+            return Work(self._c.Iallgatherv(front, spec), finish)
+        self._c.Allgatherv(front, spec)
+        return finish()
+
+    def reduce_scatter(self, x, op: str = "sum", axis: int = 0,
+                       sizes: Sequence[int] | None = None, async_op: bool = False):
+        """Reduce ``x`` over all ranks and give rank r the r-th block along ``axis``.
+
+        Args:
+            sizes: the length of each rank's block along ``axis``; by default an even split.
+        """
+        x = _contig(x)
+        axis %= max(x.ndim, 1)
+        mpi_op = self._op(op)
+        sizes = (_even_sizes(x.shape[axis], self.size, "reduce_scatter") if sizes is None
+                 else [int(s) for s in sizes])
+        if sum(sizes) != x.shape[axis] or len(sizes) != self.size:
+            raise ValueError(f"reduce_scatter: sizes {sizes} must have one entry per rank "
+                             f"({self.size}) and add up to dim {axis} of size {x.shape[axis]}.")
+        self._agree("reduce_scatter", (str(x.dtype), x.shape, op))
+        self._record("reduce_scatter", x.nbytes, x.dtype)
+        front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
+        row = int(np.prod(front.shape[1:]))
+        out = np.empty((sizes[self.rank],) + front.shape[1:], x.dtype)
+        counts = [s * row for s in sizes]
+
+        def finish():
+            res = self._avg(out, op)
+            return np.ascontiguousarray(np.moveaxis(res, 0, axis)) if axis else res
+
+        if async_op:
+            return Work(self._c.Ireduce_scatter(front, out, counts, op=mpi_op), finish)
+        self._c.Reduce_scatter(front, out, counts, op=mpi_op)
+        return finish()
+
+    def all_to_all(self, x, split_axis: int, concat_axis: int,
+                   split_sizes: Sequence[int] | None = None,
+                   concat_sizes: Sequence[int] | None = None, async_op: bool = False):
+        """Split ``x`` along ``split_axis`` into one block per rank, send block j to rank j, and
+        concatenate the received blocks along ``concat_axis`` (rank order).
+
+        Args:
+            split_sizes: block lengths along ``split_axis`` (default: an even split).
+            concat_sizes: every rank's length of ``x`` along ``concat_axis`` (default: equal).
+        """
+        x = _contig(x)
+        nd = max(x.ndim, 1)
+        split_axis, concat_axis = split_axis % nd, concat_axis % nd
+        split_sizes = (_even_sizes(x.shape[split_axis], self.size, "all_to_all")
+                       if split_sizes is None else [int(s) for s in split_sizes])
+        concat_sizes = ([x.shape[concat_axis]] * self.size if concat_sizes is None
+                        else [int(s) for s in concat_sizes])
+        if sum(split_sizes) != x.shape[split_axis] or len(split_sizes) != self.size:
+            raise ValueError(f"all_to_all: split_sizes {split_sizes} must have one entry per "
+                             f"rank and add up to {x.shape[split_axis]}.")
+        self._check_sizes("all_to_all", concat_sizes, x.shape[concat_axis])
+        self._agree("all_to_all", (str(x.dtype), x.ndim, split_sizes))
+        self._record("all_to_all", x.nbytes, x.dtype)
+        starts = np.cumsum([0] + split_sizes).tolist()
+        blocks = [np.take(x, range(starts[j], starts[j + 1]), axis=split_axis)
+                  for j in range(self.size)]
+        send = np.concatenate([b.reshape(-1) for b in blocks]) if blocks else x.reshape(-1)
+        send_counts = [b.size for b in blocks]
+        mine = split_sizes[self.rank]
+
+        def recv_shape(r):
+            s = list(x.shape)
+            s[split_axis], s[concat_axis] = mine, concat_sizes[r]
+            return s
+
+        recv_counts = [int(np.prod(recv_shape(r))) for r in range(self.size)]
+        recv = np.empty(sum(recv_counts), x.dtype)
+        sendspec = [send, (send_counts, np.cumsum([0] + send_counts[:-1]).tolist())]
+        recvspec = [recv, (recv_counts, np.cumsum([0] + recv_counts[:-1]).tolist())]
+
+        def finish():
+            offs = np.cumsum([0] + recv_counts).tolist()
+            parts = [recv[offs[r]:offs[r + 1]].reshape(recv_shape(r)) for r in range(self.size)]
+            return np.concatenate(parts, axis=concat_axis)
+
+        if async_op:
+            return Work(self._c.Ialltoallv(sendspec, recvspec), finish)
+        self._c.Alltoallv(sendspec, recvspec)
+        return finish()
+
+    def broadcast(self, x, src: int = 0, async_op: bool = False):
+        """Rank ``src``'s ``x`` on every rank (others pass an array of the same shape/dtype)."""
+        self._check_rank("broadcast", src)
+        x = _contig(x)
+        self._agree("broadcast", (str(x.dtype), x.shape))
+        self._record("broadcast", x.nbytes, x.dtype)
+        out = x.copy()
+        if async_op:
+            return Work(self._c.Ibcast(out, root=src), lambda: out)
+        self._c.Bcast(out, root=src)
+        return out
+
+    def send(self, x, dst: int, tag: int = 0, async_op: bool = False):
+        """Send ``x`` to rank ``dst`` (the receiver calls ``recv`` with a same-shaped buffer)."""
+        self._check_rank("send", dst)
+        x = _contig(x)
+        self._record("send", x.nbytes, x.dtype)
+        if async_op:
+            return Work(self._c.Isend(x, dest=dst, tag=tag), lambda: None)
+        self._c.Send(x, dest=dst, tag=tag)
+        return None
+
+    def recv(self, out: np.ndarray, src: int, tag: int = 0, async_op: bool = False):
+        """Receive into ``out`` (shape/dtype of the message) from rank ``src``; returns it."""
+        self._check_rank("recv", src)
+        if not (isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable):
+            raise TypeError("recv needs a writeable C-contiguous numpy array to receive into.")
+        if async_op:
+            return Work(self._c.Irecv(out, source=src, tag=tag), lambda: out)
+        self._c.Recv(out, source=src, tag=tag)
+        return out
+
+    def barrier(self, async_op: bool = False):
+        self._record("barrier", 0, np.uint8)
+        if async_op:
+            return Work(self._c.Ibarrier(), lambda: None)
+        self._c.Barrier()
+        return None
+
+    # -- groups
+    def subgroup(self, partition: Sequence[Sequence[int]]) -> "Comm":
+        """The communicator of the part of ``partition`` (group-local ranks) containing us.
+
+        Collective: every rank of this group calls it with the same partition. Made once with
+        MPI ``Split`` and cached on the partition.
+        """
+        key = tuple(tuple(int(r) for r in part) for part in partition)
+        if key not in self._groups:
+            flat = sorted(r for part in key for r in part)
+            if flat != list(range(self.size)):
+                raise ValueError(f"subgroup: {[list(p) for p in key]} is not a partition of the "
+                                 f"{self.size} ranks 0..{self.size - 1} of this group.")
+            color = next(i for i, part in enumerate(key) if self.rank in part)
+            part = key[color]
+            sub = self._c.Split(color, part.index(self.rank))
+            self._groups[key] = Comm(sub, tuple(self.ranks[r] for r in part))
+        return self._groups[key]
+
+    # -- validation
+    def _check_rank(self, what: str, r: int) -> None:
+        if not 0 <= r < self.size:
+            raise ValueError(f"{what}: rank {r} is out of range for a group of {self.size} "
+                             f"ranks (0..{self.size - 1}).")
+
+    def _check_sizes(self, what: str, sizes: list[int], mine: int) -> None:
+        if len(sizes) != self.size or any(s < 0 for s in sizes):
+            raise ValueError(f"{what}: sizes {sizes} must list one non-negative length per rank "
+                             f"({self.size} ranks).")
+        if sizes[self.rank] != mine:
+            raise ValueError(f"{what}: rank {self.rank} passed length {mine} along the gathered "
+                             f"dim but sizes[{self.rank}] = {sizes[self.rank]}.")
+
+
+_world: Comm | None = None
+
+
+def get_world() -> Comm:
+    """The world communicator (all ranks of the job; a world of one outside mpiexec)."""
+    global _world
+    if _world is None:
+        MPI = _mpi()
+        c = MPI.COMM_WORLD
+        _world = Comm(c, tuple(range(c.Get_size())))
+    return _world

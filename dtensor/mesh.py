@@ -1,0 +1,170 @@
+"""DeviceMesh: an n-d array of ranks with named dims, PyTorch's names and semantics.
+
+Ranks are laid out row-major: ``init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))``
+puts ranks 0-3 in row dp=0 and 4-7 in row dp=1, so a "tp" group is four consecutive ranks.
+Each mesh dim gets one communicator, made once (MPI ``Split``) when the mesh is built; slicing a
+mesh by name reuses them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from dtensor.comm import Comm, get_world
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+
+def _check_device(device_type: str) -> None:
+    if device_type != "cpu":
+        raise ValueError(f"device_type {device_type!r} is not supported yet: dtensor runs on "
+                         f"'cpu' ranks over MPI. Use init_device_mesh('cpu', ...).")
+
+
+def _check_names(names, ndim: int) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    names = tuple(names)
+    if len(names) != ndim:
+        raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {ndim}-d mesh; "
+                         f"give one name per mesh dim.")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"mesh_dim_names {names} repeats {dup}; each dim needs its own name.")
+    return names
+
+
+class DeviceMesh:
+    """An n-d array of global ranks; ``mesh_dim_names`` name its dims.
+
+    Args:
+        device_type: "cpu" (the MPI backend).
+        mesh: array-like of global ranks; it must hold every rank of the job exactly once.
+        mesh_dim_names: optional names, one per dim.
+
+    Example (8 ranks):
+        >>> mesh = DeviceMesh("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]], mesh_dim_names=("dp", "tp"))
+        >>> mesh["tp"].get_local_rank(), mesh.size("dp")
+    """
+
+    def __init__(self, device_type: str, mesh, *, mesh_dim_names: Sequence[str] | None = None,
+                 _comms: tuple[Comm, ...] | None = None):
+        _check_device(device_type)
+        arr = np.array(getattr(mesh, "tolist", lambda: mesh)(), dtype=np.int64)
+        if arr.ndim == 0 or arr.size == 0:
+            raise ValueError(f"a DeviceMesh needs at least one dim and one rank, got {mesh!r}.")
+        self.device_type = device_type
+        self.mesh = arr
+        self.mesh_dim_names = _check_names(mesh_dim_names, arr.ndim)
+        world = get_world()
+        self._rank = world.rank
+        if _comms is None:
+            if sorted(arr.reshape(-1).tolist()) != list(range(world.size)):
+                raise ValueError(
+                    f"DeviceMesh {arr.tolist()} must hold each of the {world.size} ranks of this "
+                    f"job exactly once (ranks 0..{world.size - 1}); launch with dtlaunch "
+                    f"--nproc {arr.size} or use a mesh of {world.size} ranks.")
+            _comms = tuple(world.subgroup(self._partition(d)) for d in range(arr.ndim))
+        self._comms = _comms
+        where = np.argwhere(arr == self._rank)
+        self._coord = [int(c) for c in where[0]] if len(where) else None
+
+    def _partition(self, dim: int) -> list[list[int]]:
+        """The groups of mesh dim ``dim``: ranks that agree on every other coordinate."""
+        moved = np.moveaxis(self.mesh, dim, -1)
+        return moved.reshape(-1, moved.shape[-1]).tolist()
+
+    # -- structure
+    @property
+    def ndim(self) -> int:
+        return self.mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+    def _dim(self, mesh_dim: int | str | None) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"this mesh has {self.ndim} dims {self._dims_text()}; say which "
+                                 f"one (mesh_dim=0..{self.ndim - 1} or a name).")
+            return 0
+        if isinstance(mesh_dim, str):
+            if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
+                raise KeyError(f"mesh has no dim named {mesh_dim!r}; its dims are "
+                               f"{self._dims_text()}.")
+            return self.mesh_dim_names.index(mesh_dim)
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise IndexError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-d mesh "
+                             f"{self._dims_text()}.")
+        return int(mesh_dim) % self.ndim
+
+    def _dims_text(self) -> str:
+        names = self.mesh_dim_names or tuple(str(i) for i in range(self.ndim))
+        return "(" + ", ".join(f"{n}={s}" for n, s in zip(names, self.shape)) + ")"
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        return self.mesh.size if mesh_dim is None else self.mesh.shape[self._dim(mesh_dim)]
+
+    def get_rank(self) -> int:
+        return self._rank
+
+    def get_coordinate(self) -> list[int] | None:
+        """This rank's index along every mesh dim (None if it is not in the mesh)."""
+        return None if self._coord is None else list(self._coord)
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        return self._coord[self._dim(mesh_dim)]
+
+    def get_group(self, mesh_dim: int | str | None = None) -> Comm:
+        """The communicator of this rank's group along ``mesh_dim``."""
+        return self._comms[self._dim(mesh_dim)]
+
+    def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
+        """The sub-mesh over the named dims (in the given order) that contains this rank."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        dims = [self._dim(n) for n in names]
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"mesh dims {names} name the same dim twice.")
+        # Fix every other dim at this rank's coordinate, keep the named ones in order.
+        index = tuple(slice(None) if d in dims else self._coord[d] for d in range(self.ndim))
+        kept = [d for d in range(self.ndim) if d in dims]
+        sub = np.transpose(self.mesh[index], [kept.index(d) for d in dims])
+        return DeviceMesh(self.device_type, sub, mesh_dim_names=names,
+                          _comms=tuple(self._comms[d] for d in dims))
+
+    # -- value semantics (specs compare meshes)
+    def _key(self):
+        return (self.device_type, self.mesh.shape, tuple(self.mesh.reshape(-1).tolist()),
+                self.mesh_dim_names)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, DeviceMesh) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """A mesh of the job's ranks in row-major order, as torch's ``init_device_mesh``.
+
+    Example (under ``dtlaunch --nproc 8``):
+        >>> mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    """
+    _check_device(device_type)
+    shape = tuple(int(n) for n in mesh_shape)
+    if not shape or any(n <= 0 for n in shape):
+        raise ValueError(f"mesh_shape must be positive sizes, got {tuple(mesh_shape)}.")
+    _check_names(mesh_dim_names, len(shape))
+    world = get_world().size
+    if int(np.prod(shape)) != world:
+        raise ValueError(f"mesh_shape {shape} holds {int(np.prod(shape))} ranks but this job has "
+                         f"{world}; launch with dtlaunch --nproc {int(np.prod(shape))}, or pick "
+                         f"a shape whose product is {world}.")
+    return DeviceMesh(device_type, np.arange(world).reshape(shape), mesh_dim_names=mesh_dim_names)

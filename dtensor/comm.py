@@ -130,6 +130,15 @@ def _contig(x) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+def _out(out, shape, dtype, what: str) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype)
+    if out.shape != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
+        raise ValueError(f"{what}: out must be a C-contiguous {np.dtype(dtype)} array of shape "
+                         f"{tuple(shape)}, got {out.dtype} {out.shape}.")
+    return out
+
+
 def _even_sizes(total: int, n: int, what: str) -> list[int]:
     if total % n:
         raise ValueError(f"{what}: dim of size {total} does not split evenly over {n} ranks; "
@@ -191,27 +200,32 @@ class Comm:
         return out
 
     # -- collectives
-    def all_reduce(self, x, op: str = "sum", async_op: bool = False):
-        """Element-wise reduction of ``x`` over all ranks; every rank gets the result."""
+    def all_reduce(self, x, op: str = "sum", async_op: bool = False,
+                   out: np.ndarray | None = None):
+        """Element-wise reduction of ``x`` over all ranks; every rank gets the result.
+
+        ``out``: an optional preallocated result buffer (reusing one keeps it hot in cache).
+        """
         x = _contig(x)
         mpi_op = self._op(op)
         if op == "avg" and not np.issubdtype(x.dtype, np.floating):
             raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {x.dtype}.")
         self._agree("all_reduce", (str(x.dtype), x.shape, op))
         self._record("all_reduce", x.nbytes, x.dtype)
-        out = np.empty_like(x)
+        out = _out(out, x.shape, x.dtype, "all_reduce")
         if async_op:
             return Work(self._c.Iallreduce(x, out, op=mpi_op), lambda: self._avg(out, op))
         self._c.Allreduce(x, out, op=mpi_op)
         return self._avg(out, op)
 
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None,
-                   async_op: bool = False):
+                   async_op: bool = False, out: np.ndarray | None = None):
         """Concatenate every rank's ``x`` along ``axis`` (rank order).
 
         Args:
             sizes: each rank's length along ``axis`` when they differ (uneven shards); by
                 default all ranks are assumed to pass the same shape.
+            out: an optional preallocated result buffer (``axis=0`` only).
         """
         x = _contig(x)
         axis %= max(x.ndim, 1)
@@ -220,25 +234,33 @@ class Comm:
         self._agree("all_gather", (str(x.dtype), x.shape[:axis] + x.shape[axis + 1:]))
         front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
         row = int(np.prod(front.shape[1:]))
-        out = np.empty((sum(sizes),) + front.shape[1:], x.dtype)
+        if out is not None and axis:
+            raise ValueError("all_gather(out=...) needs axis=0; gather along dim 0 and move it.")
+        out = _out(out, (sum(sizes),) + front.shape[1:], x.dtype, "all_gather")
         self._record("all_gather", out.nbytes, x.dtype)
         counts = [s * row for s in sizes]
-        spec = [out, (counts, np.cumsum([0] + counts[:-1]).tolist())]
 
         def finish():
             return np.ascontiguousarray(np.moveaxis(out, 0, axis)) if axis else out
 
-        if async_op:
-            return Work(self._c.Iallgatherv(front, spec), finish)
-        self._c.Allgatherv(front, spec)
-        return finish()
+        # Equal sizes take Allgather: MPICH's Allgatherv algorithms are several times slower.
+        if len(set(counts)) == 1:
+            call = self._c.Iallgather if async_op else self._c.Allgather
+            req = call(front, out)
+        else:
+            spec = [out, (counts, np.cumsum([0] + counts[:-1]).tolist())]
+            call = self._c.Iallgatherv if async_op else self._c.Allgatherv
+            req = call(front, spec)
+        return Work(req, finish) if async_op else finish()
 
     def reduce_scatter(self, x, op: str = "sum", axis: int = 0,
-                       sizes: Sequence[int] | None = None, async_op: bool = False):
+                       sizes: Sequence[int] | None = None, async_op: bool = False,
+                       out: np.ndarray | None = None):
         """Reduce ``x`` over all ranks and give rank r the r-th block along ``axis``.
 
         Args:
             sizes: the length of each rank's block along ``axis``; by default an even split.
+            out: an optional preallocated result buffer (``axis=0`` only).
         """
         x = _contig(x)
         axis %= max(x.ndim, 1)
@@ -252,17 +274,22 @@ class Comm:
         self._record("reduce_scatter", x.nbytes, x.dtype)
         front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
         row = int(np.prod(front.shape[1:]))
-        out = np.empty((sizes[self.rank],) + front.shape[1:], x.dtype)
+        if out is not None and axis:
+            raise ValueError("reduce_scatter(out=...) needs axis=0.")
+        out = _out(out, (sizes[self.rank],) + front.shape[1:], x.dtype, "reduce_scatter")
         counts = [s * row for s in sizes]
 
         def finish():
             res = self._avg(out, op)
             return np.ascontiguousarray(np.moveaxis(res, 0, axis)) if axis else res
 
-        if async_op:
-            return Work(self._c.Ireduce_scatter(front, out, counts, op=mpi_op), finish)
-        self._c.Reduce_scatter(front, out, counts, op=mpi_op)
-        return finish()
+        if len(set(counts)) == 1:
+            call = self._c.Ireduce_scatter_block if async_op else self._c.Reduce_scatter_block
+            req = call(front, out, op=mpi_op)
+        else:
+            call = self._c.Ireduce_scatter if async_op else self._c.Reduce_scatter
+            req = call(front, out, counts, op=mpi_op)
+        return Work(req, finish) if async_op else finish()
 
     def all_to_all(self, x, split_axis: int, concat_axis: int,
                    split_sizes: Sequence[int] | None = None,

@@ -1,0 +1,99 @@
+"""all_reduce / all_gather / reduce_scatter bus bandwidth: dtensor.comm vs raw mpi4py.
+
+All paths are measured in the same job, interleaved, on the same buffers; one JSON line per
+(collective, size, ranks) with median times, bus bandwidths and ratios (mpi4py time / dtensor
+time): ``ratio`` for dtensor's default fresh result array, ``ratio_out`` for ``out=`` a reused
+buffer, which is what the raw mpi4py call gets.
+
+    python benchmarks/collectives.py             # spawns 2 and 4 ranks itself
+    dtlaunch --nproc 4 benchmarks/collectives.py # or one world size under dtlaunch
+
+Bus bandwidth (nccl-tests' definition) with S the logical buffer size in bytes:
+all_reduce S/t * 2(n-1)/n; all_gather and reduce_scatter S/t * (n-1)/n.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+SIZES_MB = (4, 64)
+
+
+def _time(fn, iters: int) -> float:
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) / iters
+
+
+def run(repeats: int = 7) -> list[dict]:
+    from mpi4py import MPI
+
+    from dtensor.comm import get_world
+
+    comm, raw = get_world(), MPI.COMM_WORLD
+    n = comm.size
+    rows = []
+    for mb in SIZES_MB:
+        count = mb * (1 << 20) // 4  # float32 elements of the logical buffer
+        count -= count % n
+        full = np.ones(count, np.float32)
+        part = np.ones(count // n, np.float32)
+        out_full, out_part = np.empty_like(full), np.empty_like(part)
+        iters = 10 if mb <= 4 else 3
+        # (dtensor with a fresh result, dtensor into a reused buffer, raw mpi4py, busbw factor)
+        cases = {
+            "all_reduce": (lambda: comm.all_reduce(full),
+                           lambda: comm.all_reduce(full, out=out_full),
+                           lambda: raw.Allreduce(full, out_full, op=MPI.SUM), 2 * (n - 1) / n),
+            "all_gather": (lambda: comm.all_gather(part),
+                           lambda: comm.all_gather(part, out=out_full),
+                           lambda: raw.Allgather(part, out_full), (n - 1) / n),
+            "reduce_scatter": (lambda: comm.reduce_scatter(full),
+                               lambda: comm.reduce_scatter(full, out=out_part),
+                               lambda: raw.Reduce_scatter_block(full, out_part, op=MPI.SUM),
+                               (n - 1) / n),
+        }
+        for name, fns in cases.items():
+            *paths, factor = fns
+            times = [[] for _ in paths]
+            for f in paths:
+                f()  # warm up every path
+            for _ in range(repeats):  # interleaved, so drift on a shared machine hits all alike
+                for f, ts in zip(paths, times):
+                    ts.append(_time(f, iters))
+            fresh, reused, mpi = (statistics.median(ts) for ts in times)
+            nbytes = full.nbytes
+            rows.append({
+                "bench": "collectives", "op": name, "ranks": n, "size_mb": mb,
+                "dtensor_ms": round(fresh * 1e3, 3), "dtensor_out_ms": round(reused * 1e3, 3),
+                "mpi4py_ms": round(mpi * 1e3, 3),
+                "dtensor_busbw_gbs": round(nbytes / fresh * factor / 1e9, 3),
+                "mpi4py_busbw_gbs": round(nbytes / mpi * factor / 1e9, 3),
+                "ratio": round(mpi / fresh, 3), "ratio_out": round(mpi / reused, 3),
+            })
+    return rows
+
+
+def main() -> None:
+    if "WORLD_SIZE" in os.environ:  # under dtlaunch: one world size
+        rows = run()
+        if int(os.environ["RANK"]) == 0:
+            for row in rows:
+                print(json.dumps(row), flush=True)
+        return
+    from dtensor.launcher import spawn
+    for nproc in (2, 4):
+        for row in spawn(run, nproc)[0]:
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

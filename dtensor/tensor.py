@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dtensor import autograd
+from dtensor import autograd, random
 from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import registry
@@ -485,17 +485,22 @@ def arange(start, stop=None, step=1, dtype=None) -> Tensor:
                             resolve_dtype(dtype)))
 
 
+def _template(shape) -> Tensor:
+    """A data-free tensor of ``shape``: the shape argument of the random factory ops."""
+    return Tensor._wrap(np.broadcast_to(np.empty((), np.bool_), shape))
+
+
 def rand(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
     """Uniform [0, 1) from the counter-based generator: element i depends only on (seed, call, i)."""
-    from dtensor import random
-    out = st.rand(shape=_shape_arg(shape), key=random.next_key(), dtype=_factory_dtype(dtype))
+    out = st.rand(_template(_shape_arg(shape)), key=random.next_key(),
+                  dtype=_factory_dtype(dtype))
     return out.requires_grad_() if requires_grad else out
 
 
 def randn(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
     """Standard normal from the counter-based generator (Box-Muller over Philox, as Triton)."""
-    from dtensor import random
-    out = st.randn(shape=_shape_arg(shape), key=random.next_key(), dtype=_factory_dtype(dtype))
+    out = st.randn(_template(_shape_arg(shape)), key=random.next_key(),
+                   dtype=_factory_dtype(dtype))
     return out.requires_grad_() if requires_grad else out
 
 

@@ -33,16 +33,16 @@ def silu(x):
     return x * x.sigmoid()
 
 
-def _over_last_dim(op, x, dim):
+def _over_last_dim(op, x, dim, **params):
     """Apply a last-dim op along ``dim`` by moving that dim last and back."""
     dim %= x.ndim
     if dim == x.ndim - 1:
-        return op(x)
-    return op(x.transpose(dim, -1)).transpose(dim, -1)
+        return op(x, **params)
+    return op(x.transpose(dim, -1), **params).transpose(dim, -1)
 
 
 def softmax(x, dim: int = -1):
-    return _over_last_dim(nnops.softmax, x, dim)
+    return _over_last_dim(nnops.softmax, x, dim, causal=False)
 
 
 def log_softmax(x, dim: int = -1):
@@ -90,7 +90,7 @@ def dropout(x, p: float = 0.5, training: bool = True):
         return x
     if p == 1.0:
         return x * 0.0
-    keep = st.rand(shape=tuple(x.shape), key=random.next_key(), dtype=np.dtype(np.float32)) >= p
+    keep = st.rand(x, key=random.next_key(), dtype=np.dtype(np.float32)) >= p
     return pw.where(keep, x * (1.0 / (1.0 - p)), 0.0)
 
 
@@ -164,20 +164,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                          f"{key.shape[-1]} (shapes {tuple(query.shape)}, {tuple(key.shape)}).")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     att = (query * scale) @ key.mT  # (..., L, S); scaling q touches L*E, not L*S, elements
-    if is_causal:
-        if attn_mask is not None:
-            raise ValueError("scaled_dot_product_attention: pass either attn_mask or "
-                             "is_causal=True, not both.")
-        rows = st.iota(shape=(L, S), axis=0, dtype=np.dtype(np.int64))
-        cols = st.iota(shape=(L, S), axis=1, dtype=np.dtype(np.int64))
-        attn_mask = cols <= rows
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: pass either attn_mask or "
+                         "is_causal=True, not both.")
     if attn_mask is not None:
         if attn_mask.dtype == np.bool_:
             # An additive 0/-inf mask, built on the mask's own (usually (L, S)) shape, is exact:
             # masked scores get probability 0, so softmax's backward sends them no gradient.
             attn_mask = pw.where(attn_mask, 0.0, -np.inf).astype(att.dtype)
         att = att + attn_mask
-    att = softmax(att, -1)
+    # The causal mask lives in the softmax kernel: no (L, S) mask tensor, no extra pass.
+    att = nnops.softmax(att, causal=True) if is_causal else softmax(att, -1)
     if dropout_p > 0.0:
         att = dropout(att, dropout_p, training)
     return att @ value

@@ -212,9 +212,29 @@ def _last_dim_abstract(*xs):
     return Aval(xs[-1].shape, xs[-1].dtype)
 
 
+def _softmax_impl(x, causal):
+    if not causal:
+        return _rowwise_new(_softmax_block, x)
+    # Causal: entry (i, j) of each trailing (L, S) matrix takes part iff j <= i (top-left
+    # aligned, as torch's is_causal). Rows are blocks of the flattened (..., S) view, so row r
+    # of a block is matrix row r % L.
+    L, S = x.shape[-2], x.shape[-1]
+    add = np.where(np.tri(L, S, dtype=bool), 0.0, -np.inf).astype(x.dtype)  # (L, S)
+    x = _contig(x)
+    out = np.empty_like(x)
+    xs, outs = x.reshape(-1, S), out.reshape(-1, S)
+
+    def run(lo, hi):
+        _softmax_block(outs[lo:hi], xs[lo:hi] + add[np.arange(lo, hi) % L])
+
+    blockwise.run_rows(run, xs.shape[0], S * x.itemsize)
+    return out
+
+
 softmax = defop(
-    "softmax", impl=lambda x: _rowwise_new(_softmax_block, x), abstract=_last_dim_abstract,
-    vjp=lambda g, out, x: (softmax_backward(g, out),), shard="rowwise", lower="rowwise:softmax")
+    "softmax", impl=_softmax_impl, abstract=lambda x, causal: Aval(x.shape, x.dtype),
+    vjp=lambda g, out, x, causal: (softmax_backward(g, out),), shard="rowwise",
+    lower="rowwise:softmax")
 
 softmax_backward = defop(
     "softmax_backward", impl=lambda g, y: _rowwise_new(_softmax_backward_block, g, y),

@@ -206,25 +206,20 @@ scatter_add = defop(
     vjp=lambda g2, out, g, idx, axis, size: (gather(g2, idx, axis=axis), None),
     linearity="all", shard="scatter_add", lower="extern:scatter_add", nondiff=(1,))
 
-# ---------------------------------------------------------------- factories
-# Random values are a pure function of (key, global flat index): see dtensor/random.py.
-
-iota = defop(
-    "iota", impl=lambda shape, axis, dtype: np.broadcast_to(
-        np.arange(shape[axis], dtype=dtype).reshape(
-            tuple(n if i == axis else 1 for i, n in enumerate(shape))), shape),
-    abstract=lambda shape, axis, dtype: Aval(shape, np.dtype(dtype)),
-    shard="factory", lower="iota")
+# ---------------------------------------------------------------- random factories
+# Random values are a pure function of (key, global flat index): see dtensor/random.py. The
+# first input is a template whose shape (and, under DTensor, placements) the result takes; it
+# carries no data, so eager callers pass a broadcast view.
 
 rand = defop(
-    "rand", impl=lambda shape, key, dtype: _random.uniform(key, _flat_offsets(shape), dtype),
-    abstract=lambda shape, key, dtype: Aval(shape, np.dtype(dtype)),
-    shard="factory", lower="rand")
+    "rand", impl=lambda like, key, dtype: _random.uniform(key, _flat_offsets(like.shape), dtype),
+    abstract=lambda like, key, dtype: Aval(tuple(like.shape), np.dtype(dtype)),
+    shard="factory", lower="rand", nondiff=(0,))
 
 randn = defop(
-    "randn", impl=lambda shape, key, dtype: _random.normal(key, _flat_offsets(shape), dtype),
-    abstract=lambda shape, key, dtype: Aval(shape, np.dtype(dtype)),
-    shard="factory", lower="randn")
+    "randn", impl=lambda like, key, dtype: _random.normal(key, _flat_offsets(like.shape), dtype),
+    abstract=lambda like, key, dtype: Aval(tuple(like.shape), np.dtype(dtype)),
+    shard="factory", lower="randn", nondiff=(0,))
 
 
 def _flat_offsets(shape):
@@ -232,4 +227,4 @@ def _flat_offsets(shape):
 
 
 __all__ = ["sum", "max", "reshape", "permute", "broadcast_to", "getitem", "slice_scatter", "cat",
-           "matmul", "index_select", "index_add", "gather", "scatter_add", "iota", "rand", "randn", "where"]
+           "matmul", "index_select", "index_add", "gather", "scatter_add", "rand", "randn", "where"]

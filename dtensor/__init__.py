@@ -49,3 +49,16 @@ __all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like
            "int32", "int64", "bool_"]
 
 from dtensor import nn, optim  # noqa: E402  (after the core they build on)
+from dtensor.placements import Partial, Replicate, Shard  # noqa: E402
+
+
+def __getattr__(name):
+    # The distributed layer imports MPI lazily: single-process users never start it.
+    if name in ("DTensor", "distribute_tensor", "distribute_module", "implicit_replication",
+                "visualize_sharding"):
+        from dtensor import dtensor as _dt
+        return getattr(_dt, name)
+    if name in ("DeviceMesh", "init_device_mesh"):
+        from dtensor import mesh as _mesh
+        return getattr(_mesh, name)
+    raise AttributeError(f"module 'dtensor' has no attribute {name!r}")

@@ -67,6 +67,10 @@ class DeviceMesh:
                     f"--nproc {arr.size} or use a mesh of {world.size} ranks.")
             _comms = tuple(world.subgroup(self._partition(d)) for d in range(arr.ndim))
         self._comms = _comms
+        # Specs hash and compare meshes on every DTensor op: compute the identity once.
+        self._ident = (device_type, arr.shape, tuple(arr.reshape(-1).tolist()),
+                       self.mesh_dim_names)
+        self._hash = hash(self._ident)
         where = np.argwhere(arr == self._rank)
         self._coord = [int(c) for c in where[0]] if len(where) else None
 
@@ -135,15 +139,11 @@ class DeviceMesh:
                           _comms=tuple(self._comms[d] for d in dims))
 
     # -- value semantics (specs compare meshes)
-    def _key(self):
-        return (self.device_type, self.mesh.shape, tuple(self.mesh.reshape(-1).tolist()),
-                self.mesh_dim_names)
-
     def __eq__(self, other) -> bool:
-        return isinstance(other, DeviceMesh) and self._key() == other._key()
+        return self is other or (isinstance(other, DeviceMesh) and self._ident == other._ident)
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return self._hash
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""

@@ -375,6 +375,8 @@ class Tensor(TensorMethods):
     # -- in-place updates (optimizers, init). They change the values, never the graph.
     def copy_(self, src) -> "Tensor":
         """Copy ``src``'s values into this tensor (its memory; nothing aliases ``src``)."""
+        if isinstance(src, TensorMethods) and not isinstance(src, Tensor):
+            src = src.full_tensor()  # a DTensor: its whole value
         src = src.data if isinstance(src, Tensor) else np.asarray(src)
         if src.shape != self.data.shape:
             raise ValueError(f"copy_: source shape {src.shape} differs from {self.data.shape}.")
@@ -458,15 +460,34 @@ def _factory_dtype(dtype):
     return np.dtype(np.float32) if dtype is None else resolve_dtype(dtype)
 
 
-def zeros(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
+def _distributed(name, *args, **kwargs):
+    """The DTensor version of a factory, when device_mesh= and placements= are given."""
+    from dtensor import dtensor as dt
+    if kwargs.get("device_mesh") is None or kwargs.get("placements") is None:
+        raise ValueError(f"{name}: pass both device_mesh= and placements= for a DTensor.")
+    return getattr(dt, name)(*args, **kwargs)
+
+
+def zeros(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
+    """Zeros; with ``device_mesh=`` and ``placements=`` a DTensor (each rank allocates its block)."""
+    if device_mesh is not None or placements is not None:
+        return _distributed("zeros", *shape, dtype=dtype, requires_grad=requires_grad,
+                            device_mesh=device_mesh, placements=placements)
     return Tensor(np.zeros(_shape_arg(shape), _factory_dtype(dtype)), requires_grad)
 
 
-def ones(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
+def ones(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
+    if device_mesh is not None or placements is not None:
+        return _distributed("ones", *shape, dtype=dtype, requires_grad=requires_grad,
+                            device_mesh=device_mesh, placements=placements)
     return Tensor(np.ones(_shape_arg(shape), _factory_dtype(dtype)), requires_grad)
 
 
-def full(shape: Sequence[int], value, dtype=None, requires_grad: bool = False) -> Tensor:
+def full(shape: Sequence[int], value, dtype=None, requires_grad: bool = False, device_mesh=None,
+         placements=None) -> Tensor:
+    if device_mesh is not None or placements is not None:
+        return _distributed("full", shape, value, dtype=dtype, requires_grad=requires_grad,
+                            device_mesh=device_mesh, placements=placements)
     return Tensor(np.full(tuple(shape), value, _factory_dtype(dtype)), requires_grad)
 
 
@@ -490,15 +511,27 @@ def _template(shape) -> Tensor:
     return Tensor._wrap(np.broadcast_to(np.empty((), np.bool_), shape))
 
 
-def rand(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
-    """Uniform [0, 1) from the counter-based generator: element i depends only on (seed, call, i)."""
+def rand(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
+    """Uniform [0, 1) from the counter-based generator: element i depends only on (seed, call, i).
+
+    With ``device_mesh=`` and ``placements=`` a DTensor holding exactly the same numbers.
+    """
+    if device_mesh is not None or placements is not None:
+        return _distributed("rand", *shape, dtype=dtype, requires_grad=requires_grad,
+                            device_mesh=device_mesh, placements=placements)
     out = st.rand(_template(_shape_arg(shape)), key=random.next_key(),
                   dtype=_factory_dtype(dtype))
     return out.requires_grad_() if requires_grad else out
 
 
-def randn(*shape, dtype=None, requires_grad: bool = False) -> Tensor:
-    """Standard normal from the counter-based generator (Box-Muller over Philox, as Triton)."""
+def randn(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
+    """Standard normal from the counter-based generator (Box-Muller over Philox, as Triton).
+
+    With ``device_mesh=`` and ``placements=`` a DTensor holding exactly the same numbers.
+    """
+    if device_mesh is not None or placements is not None:
+        return _distributed("randn", *shape, dtype=dtype, requires_grad=requires_grad,
+                            device_mesh=device_mesh, placements=placements)
     out = st.randn(_template(_shape_arg(shape)), key=random.next_key(),
                    dtype=_factory_dtype(dtype))
     return out.requires_grad_() if requires_grad else out

@@ -13,9 +13,20 @@ __all__ = ["Parameter", "Module", "ModuleList", "Sequential"]
 
 
 class Parameter(Tensor):
-    """A Tensor that a Module registers as trainable (requires_grad=True by default)."""
+    """A Tensor that a Module registers as trainable (requires_grad=True by default).
+
+    ``Parameter(dtensor)`` marks a DTensor as a parameter and returns it (as torch does).
+    """
 
     __slots__ = ()
+
+    def __new__(cls, data=None, requires_grad: bool = True):
+        from dtensor.dtensor import DTensor
+        if isinstance(data, DTensor):
+            data.requires_grad = requires_grad
+            data._is_param = True
+            return data
+        return super().__new__(cls)
 
     def __init__(self, data, requires_grad: bool = True):
         super().__init__(data.numpy() if isinstance(data, TensorMethods) else data)
@@ -70,7 +81,7 @@ class Module:
             return
         for table in (self._parameters, self._buffers, self._modules):
             table.pop(name, None)
-        if isinstance(value, Parameter):
+        if isinstance(value, Parameter) or getattr(value, "_is_param", False):
             self._parameters[name] = value
         elif isinstance(value, Module):
             self._modules[name] = value
@@ -207,7 +218,7 @@ class Module:
         for k, t in own.items():
             if k in state_dict:
                 src = state_dict[k]
-                t.copy_(src.numpy() if isinstance(src, TensorMethods) else np.asarray(src))
+                t.copy_(src if isinstance(src, TensorMethods) else np.asarray(src))
         return missing, unexpected
 
     # -- hooks and call

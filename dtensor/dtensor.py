@@ -1,0 +1,587 @@
+"""DTensor: a global tensor laid out over a DeviceMesh as one placement per mesh dim.
+
+Each rank holds its local block (``to_local()``). Every op goes through the same registry as
+Tensor: the sharding rules (sharding.py) pick input and output placements, the inputs are
+redistributed (redistribute.py, the only place collectives happen), and the op's numpy ``impl``
+runs on the local blocks. Autograd records the op on the DTensor inputs, so the backward is a
+DTensor program whose collectives come from the same rules.
+
+Example (under ``dtlaunch --nproc 4``):
+    >>> mesh = dtensor.init_device_mesh("cpu", (4,))
+    >>> x = dtensor.distribute_tensor(dtensor.randn(8, 6), mesh, [Shard(0)])
+    >>> (x @ x.T).full_tensor()       # the (8, 8) product on every rank
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from dtensor import autograd, random
+from dtensor.mesh import DeviceMesh
+from dtensor.ops import registry, structural
+from dtensor.ops.registry import Aval, Op
+from dtensor.placements import Partial, Placement, Replicate, Shard
+from dtensor.redistribute import local_shape_and_offset, redistribute_local
+from dtensor.sharding import propagate
+from dtensor.tensor import Tensor, TensorMethods, _shape_arg, resolve_dtype
+
+__all__ = ["DTensor", "DTensorSpec", "distribute_tensor", "implicit_replication",
+           "distribute_module", "zeros", "ones", "full", "rand", "randn", "visualize_sharding"]
+
+
+@dataclass(frozen=True)
+class DTensorSpec:
+    """(mesh, placements, global shape, dtype): all a DTensor's layout is; nothing more."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def __post_init__(self):
+        # Hashed on every op (strategy cache key): compute it once.
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.shape,
+                                                self.dtype)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def local_shape_and_offset(self):
+        return _local_block(self)
+
+
+_BLOCKS: dict = {}
+
+
+def _local_block(spec: DTensorSpec):
+    blk = _BLOCKS.get(spec)
+    if blk is None:
+        blk = _BLOCKS[spec] = local_shape_and_offset(spec.shape, spec.placements, spec.mesh.shape,
+                                                     spec.mesh.get_coordinate())
+    return blk
+
+
+def _check_placements(mesh: DeviceMesh, placements, shape) -> tuple[Placement, ...]:
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"got {len(placements)} placements {list(placements)} for a "
+                         f"{mesh.ndim}-d mesh {mesh}; give exactly one per mesh dim.")
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"placements must be Shard(d), Replicate() or Partial(op), got {p!r}.")
+        if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
+            raise ValueError(f"{p} is out of range for a tensor of shape {tuple(shape)} "
+                             f"({len(shape)} dims).")
+    return tuple(Shard(p.dim % len(shape)) if isinstance(p, Shard) else p for p in placements)
+
+
+class DTensor(TensorMethods):
+    """A distributed tensor. Build one with ``distribute_tensor`` or ``DTensor.from_local``."""
+
+    __slots__ = ("_local", "_spec", "_work", "requires_grad", "grad", "_node", "_is_param",
+                 "__weakref__")
+
+    @staticmethod
+    def _make(local: np.ndarray, spec: DTensorSpec, work=None) -> "DTensor":
+        t = object.__new__(DTensor)
+        t._local, t._spec, t._work = local, spec, work
+        t.requires_grad, t.grad, t._node, t._is_param = False, None, None, False
+        return t
+
+    def _loc(self) -> np.ndarray:
+        if self._work is not None:  # an async redistribute: wait on first use
+            self._local, self._work = self._work.wait(), None
+        return self._local
+
+    # -- metadata
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._spec.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._spec.dtype
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._node is None
+
+    def __repr__(self) -> str:
+        return (f"DTensor(shape={self.shape}, dtype={self.dtype}, placements="
+                f"{list(self.placements)}, mesh={self.device_mesh}, local="
+                f"{np.array2string(self._loc(), threshold=8)})")
+
+    # -- conversions
+    @staticmethod
+    def from_local(local, device_mesh: DeviceMesh, placements: Sequence[Placement], *,
+                   run_check: bool = False, shape: Sequence[int] | None = None,
+                   stride=None) -> "DTensor":
+        """Wrap this rank's block as a DTensor (differentiable).
+
+        Args:
+            shape: the global shape. Needed for uneven shards; without it every shard is
+                assumed to be the same size (global dim = local dim x mesh dim size).
+            run_check: check (one metadata all-gather) that every rank passed consistent
+                shapes and placements; raises ValueError on every rank otherwise.
+        """
+        t = local if isinstance(local, TensorMethods) else Tensor(local)
+        arr = t.data if isinstance(t, Tensor) else np.asarray(local)
+        placements = _check_placements(device_mesh, placements, arr.shape)
+        if shape is None:
+            gshape = list(arr.shape)
+            for m, p in enumerate(placements):
+                if isinstance(p, Shard):
+                    gshape[p.dim] *= device_mesh.size(m)
+            shape = tuple(gshape)
+        spec = DTensorSpec(device_mesh, placements, tuple(int(n) for n in shape), arr.dtype)
+        if run_check:
+            _check_from_local(arr, spec)
+        elif _local_block(spec)[0] != arr.shape:
+            raise ValueError(f"from_local: this rank's block has shape {arr.shape} but "
+                             f"{list(placements)} of global shape {spec.shape} gives "
+                             f"{_local_block(spec)[0]} here; pass shape= (the global shape).")
+        out = DTensor._make(arr, spec)
+        if autograd.is_grad_enabled() and t.requires_grad:
+            autograd.record(_FROM_LOCAL, (t,), {}, out)
+        return out
+
+    def to_local(self) -> Tensor:
+        """This rank's block as a Tensor (gradients flow back to the DTensor)."""
+        out = Tensor._wrap(self._loc())
+        if autograd.is_grad_enabled() and self.requires_grad:
+            autograd.record(_TO_LOCAL, (self,), {}, out)
+        return out
+
+    def full_tensor(self) -> Tensor:
+        """The whole tensor on every rank (an all-gather / all-reduce as needed)."""
+        return self.redistribute(placements=[Replicate()] * self.device_mesh.ndim).to_local()
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None,
+                     placements: Sequence[Placement] | None = None, *,
+                     async_op: bool = False) -> "DTensor":
+        """The same tensor laid out as ``placements`` (collectives per the transition table).
+
+        With ``async_op=True`` the collectives start now and the result waits on first use.
+        """
+        if device_mesh is not None and device_mesh != self.device_mesh:
+            raise NotImplementedError(f"redistribute to another mesh ({device_mesh}) is not "
+                                      f"supported; the tensor lives on {self.device_mesh}.")
+        placements = _check_placements(self.device_mesh, placements or self.placements,
+                                       self.shape)
+        for m, p in enumerate(placements):
+            if isinstance(p, Partial) and p != self.placements[m]:
+                raise ValueError(f"redistribute to {p} (mesh dim {m}) is not allowed: Partial "
+                                 f"is a pending reduction that only ops produce. Use "
+                                 f"Replicate() or Shard(d).")
+        return _redistribute(self, placements, async_op)
+
+    # -- in-place updates (optimizers): replace the local block, never the graph
+    def _assign(self, new: "DTensor") -> None:
+        if new.placements != self.placements:
+            new = _redistribute(new, self.placements)
+        self._local = new._loc().astype(self.dtype, copy=False)
+
+    def _owned(self, taken: set) -> "DTensor":
+        return self
+
+    def _ones_like(self) -> "DTensor":
+        return DTensor._make(np.ones(_local_block(self._spec)[0], self.dtype),
+                             replace(self._spec, placements=tuple(
+                                 Replicate() if isinstance(p, Partial) else p
+                                 for p in self.placements)))
+
+    def detach(self) -> "DTensor":
+        return DTensor._make(self._loc(), self._spec)
+
+    def numpy(self) -> np.ndarray:
+        raise TypeError("a DTensor has no single numpy array: use .to_local().numpy() for this "
+                        "rank's block or .full_tensor().numpy() for the whole tensor.")
+
+    def item(self):
+        return self.full_tensor().item()
+
+    def copy_(self, src) -> "DTensor":
+        src = src if isinstance(src, DTensor) else distribute_tensor(
+            src, self.device_mesh, [Replicate()] * self.device_mesh.ndim, src_data_rank=None)
+        if src.shape != self.shape:
+            raise ValueError(f"copy_: source shape {src.shape} differs from {self.shape}.")
+        self._local = np.array(redistribute_local(src._loc(), src._spec, self.placements),
+                               dtype=self.dtype)
+        return self
+
+    def zero_(self) -> "DTensor":
+        self._local = np.zeros_like(self._loc())
+        return self
+
+    def normal_(self, mean: float = 0.0, std: float = 1.0) -> "DTensor":
+        self._local = (_random_like(structural.randn, self, self.dtype)._loc() * std + mean
+                       ).astype(self.dtype)
+        return self
+
+    def uniform_(self, a: float = 0.0, b: float = 1.0) -> "DTensor":
+        self._local = (_random_like(structural.rand, self, self.dtype)._loc() * (b - a) + a
+                       ).astype(self.dtype)
+        return self
+
+
+# ----------------------------------------------------------------------------- autograd nodes
+
+def _grad_placements(src, gp):
+    """Where the gradient of a redistribute's input goes: back to ``src``, except that a
+    Partial source takes the gradient as it comes (a replicated gradient of a sum of partials is
+    each partial's gradient: no communication)."""
+    return tuple(g if isinstance(s, Partial) and isinstance(g, (Replicate, Partial)) else
+                 (Replicate() if isinstance(s, Partial) else s) for s, g in zip(src, gp))
+
+
+def _redistribute(x: DTensor, placements, async_op: bool = False) -> DTensor:
+    placements = tuple(placements)
+    if placements == x.placements:
+        return x
+    spec = replace(x._spec, placements=placements)
+    if async_op:
+        from dtensor.comm import Work
+        src = x
+        out = DTensor._make(None, spec, Work(None, lambda: redistribute_local(
+            src._loc(), src._spec, placements)))
+    else:
+        out = DTensor._make(redistribute_local(x._loc(), x._spec, placements), spec)
+    if autograd.is_grad_enabled() and x.requires_grad:
+        autograd.record(_REDISTRIBUTE, (x,), {"placements": placements}, out)
+    return out
+
+
+_REDISTRIBUTE = Op("redistribute", impl=None, abstract=None, linearity="all", lower="collective",
+                   vjp=lambda g, out, x, placements: (
+                       _redistribute(g, _grad_placements(x.placements, g.placements)),))
+_TO_LOCAL = Op("to_local", impl=None, abstract=None, linearity="all",
+               vjp=lambda g, out, x: (DTensor._make(g.data, replace(
+                   x._spec, dtype=g.dtype)),))
+_FROM_LOCAL = Op("from_local", impl=None, abstract=None, linearity="all",
+                 vjp=lambda g, out, t: (Tensor._wrap(redistribute_local(
+                     g._loc(), g._spec, _grad_placements(out.placements, g.placements)
+                     if any(isinstance(p, Partial) for p in out.placements) else
+                     out.placements)),))
+
+
+def _check_from_local(arr: np.ndarray, spec: DTensorSpec) -> None:
+    from dtensor.comm import get_world
+    mine = (arr.shape, str(arr.dtype), _local_block(spec)[0], tuple(map(repr, spec.placements)),
+            spec.shape)
+    theirs = get_world()._c.allgather(mine)  # metadata only: not a data-path collective
+    bad = [r for r, t in enumerate(theirs) if t[0] != t[2] or t[1] != theirs[0][1]
+           or t[3:] != theirs[0][3:]]
+    if bad:
+        raise ValueError(
+            "from_local(run_check=True): inconsistent blocks: "
+            + "; ".join(f"rank {r}: local {theirs[r][0]} {theirs[r][1]}, expected "
+                        f"{theirs[r][2]} for {list(theirs[r][3])} of {theirs[r][4]}"
+                        for r in bad)
+            + ". Pass shape= with the global shape, or fix the local blocks.")
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+class _Replication(threading.local):
+    on = False
+
+
+_implicit = _Replication()
+
+
+@contextmanager
+def implicit_replication():
+    """Inside the block, plain Tensors in an op with DTensors count as Replicate DTensors."""
+    prev = _implicit.on
+    _implicit.on = True
+    try:
+        yield
+    finally:
+        _implicit.on = prev
+
+
+def _as_arg(a, mesh):
+    if isinstance(a, Tensor):
+        if not _implicit.on:
+            raise TypeError(
+                f"an op mixes a plain Tensor (shape {tuple(a.shape)}) with DTensors on {mesh}. "
+                f"Make it a DTensor (distribute_tensor(t, mesh, [Replicate()] * mesh.ndim) or "
+                f"DTensor.from_local), or run the op inside dtensor.implicit_replication().")
+        return distribute_tensor(a, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+    if isinstance(a, np.ndarray):
+        return _as_arg(Tensor(a), mesh)
+    return a
+
+
+_CACHE: dict = {}
+
+
+def _param_key(params):
+    return tuple(sorted(params.items()))
+
+
+def _interpret(op: Op, args, params):
+    mesh = next(a._spec.mesh for a in args if isinstance(a, DTensor))
+    if any(not isinstance(a, (DTensor, int, float, bool)) for a in args):
+        args = tuple(_as_arg(a, mesh) for a in args)
+    key = (op, tuple(a._spec if isinstance(a, DTensor) else (type(a), a == 0) for a in args),
+           _param_key(params))
+    entry = _CACHE.get(key)
+    if entry is None:
+        entry = _CACHE[key] = _plan(op, args, params, mesh)
+    targets, out_spec, local_params, fn = entry
+    locals_ = [redistribute_local(a._loc(), a._spec, t) if t is not None else a
+               for a, t in zip(args, targets)]
+    if fn is None:
+        out = op.impl(*locals_, **local_params)
+    else:
+        in_specs = [replace(a._spec, placements=t) if t is not None else None
+                    for a, t in zip(args, targets)]
+        out = fn(*locals_, in_specs=in_specs, out_spec=out_spec, **local_params)
+    return DTensor._make(out, out_spec)
+
+
+def _plan(op: Op, args, params, mesh):
+    for a in args:
+        if isinstance(a, DTensor) and a._spec.mesh != mesh:
+            raise ValueError(f"op {op.name!r} mixes DTensors on different meshes: {mesh} and "
+                             f"{a._spec.mesh}; redistribute onto one mesh first.")
+    avals = [Aval(a.shape, a.dtype) if isinstance(a, DTensor) else a for a in args]
+    out = op.abstract(*avals, **params)
+    strat = propagate(op, avals, params,
+                      [a.placements if isinstance(a, DTensor) else None for a in args], out, mesh)
+    out_spec = DTensorSpec(mesh, strat.out, tuple(out.shape), np.dtype(out.dtype))
+    in_specs = [replace(a._spec, placements=t) if t is not None else None
+                for a, t in zip(args, strat.inputs)]
+    local_params = _localize(op, params, in_specs, out_spec)
+    return strat.inputs, out_spec, local_params, _LOCAL.get(op.name)
+
+
+def _local_key(key, shape, placements_local_shape):
+    """A canonical index with full slices of sharded dims narrowed to the local length."""
+    real_d, out = 0, []
+    for k in key:
+        if isinstance(k, tuple) and k == (0, shape[real_d], 1):
+            out.append((0, placements_local_shape[real_d], 1))
+        else:
+            out.append(k)
+        if k is not None:
+            real_d += 1
+    return tuple(out)
+
+
+def _localize(op: Op, params, in_specs, out_spec):
+    """Params that name global sizes, rewritten for this rank's blocks."""
+    out_local = _local_block(out_spec)[0]
+    if op.name in ("reshape", "broadcast_to"):
+        return {**params, "shape": out_local}
+    if op.name == "getitem":
+        spec = in_specs[0]
+        return {"key": _local_key(params["key"], spec.shape, _local_block(spec)[0])}
+    if op.name == "slice_scatter":
+        return {"shape": out_local,
+                "key": _local_key(params["key"], out_spec.shape, out_local)}
+    return params
+
+
+# -- local kernels of ops whose result on a block depends on where the block sits
+
+
+def _rows(spec: DTensorSpec, axis: int):
+    shape, off = _local_block(spec)
+    return off[axis], shape[axis]
+
+
+def _index_select_local(w, idx, *, in_specs, out_spec):
+    off, n = _rows(in_specs[0], 0)
+    if n == in_specs[0].shape[0]:
+        return np.take(w, idx, axis=0)
+    rel = idx - off  # vocab-parallel lookup: rows outside this block contribute zeros (Partial)
+    hit = (rel >= 0) & (rel < n)
+    out = np.take(w, np.where(hit, rel, 0), axis=0)
+    out *= hit.reshape(hit.shape + (1,) * (w.ndim - 1))
+    return out
+
+
+def _index_add_local(g, idx, num, *, in_specs, out_spec):
+    off, n = _rows(out_spec, 0)
+    rel = idx - off
+    hit = (rel >= 0) & (rel < n)
+    rows = g.reshape((-1,) + g.shape[idx.ndim:])[hit.reshape(-1)]
+    return structural.index_add.impl(rows, rel[hit], n)
+
+
+def _gather_local(x, idx, axis, *, in_specs, out_spec):
+    off, n = _rows(in_specs[0], axis)
+    if n == in_specs[0].shape[axis]:
+        return np.take_along_axis(x, idx, axis=axis)
+    rel = idx - off
+    hit = (rel >= 0) & (rel < n)
+    return np.take_along_axis(x, np.where(hit, rel, 0), axis=axis) * hit
+
+
+def _scatter_add_local(g, idx, axis, size, *, in_specs, out_spec):
+    off, n = _rows(out_spec, axis)
+    rel = idx - off
+    hit = (rel >= 0) & (rel < n)
+    return structural.scatter_add.impl(g * hit, np.where(hit, rel, 0), axis, n)
+
+
+def _block_offsets(spec: DTensorSpec) -> np.ndarray:
+    """Global row-major flat index of every element of this rank's block."""
+    shape, off = _local_block(spec)
+    strides = np.cumprod((1,) + tuple(reversed(spec.shape[1:])))[::-1]
+    flat = np.zeros(shape, np.int64)
+    for d, (n, o) in enumerate(zip(shape, off)):
+        idx = (np.arange(o, o + n, dtype=np.int64) * int(strides[d]))
+        flat += idx.reshape((-1,) + (1,) * (len(shape) - d - 1))
+    return flat
+
+
+def _rand_local(like, key, dtype, *, in_specs, out_spec):
+    return random.uniform(key, _block_offsets(out_spec), dtype)
+
+
+def _randn_local(like, key, dtype, *, in_specs, out_spec):
+    return random.normal(key, _block_offsets(out_spec), dtype)
+
+
+_LOCAL = {"index_select": _index_select_local, "index_add": _index_add_local,
+          "gather": _gather_local, "scatter_add": _scatter_add_local, "rand": _rand_local,
+          "randn": _randn_local}
+
+registry.register_interpreter(DTensor, _interpret)
+
+
+# ----------------------------------------------------------------------------- construction
+
+def distribute_tensor(tensor, device_mesh: DeviceMesh, placements: Sequence[Placement], *,
+                      src_data_rank: int | None = 0) -> DTensor:
+    """Lay a full tensor out over ``device_mesh``.
+
+    Args:
+        src_data_rank: the rank whose data is used (broadcast first, so ranks that passed
+            different values agree); None uses each rank's own data without communication.
+    """
+    t = tensor if isinstance(tensor, Tensor) else Tensor(tensor)
+    placements = _check_placements(device_mesh, placements, t.shape)
+    arr = t.data
+    if src_data_rank is not None and device_mesh.size() > 1:
+        from dtensor.comm import get_world
+        arr = get_world().broadcast(arr, src=src_data_rank)
+    spec = DTensorSpec(device_mesh, tuple(Replicate() for _ in placements), tuple(t.shape),
+                       arr.dtype)
+    local = redistribute_local(arr, spec, placements)
+    out = DTensor._make(np.ascontiguousarray(local), replace(spec, placements=placements))
+    out.requires_grad = t.requires_grad
+    return out
+
+
+def _factory_spec(shape, dtype, device_mesh, placements):
+    shape = _shape_arg(shape)
+    return DTensorSpec(device_mesh, _check_placements(device_mesh, placements, shape), shape,
+                       np.dtype(np.float32) if dtype is None else resolve_dtype(dtype))
+
+
+def _template(spec: DTensorSpec) -> DTensor:
+    """A data-free DTensor with ``spec``: the shape/placement argument of random factories."""
+    return DTensor._make(np.broadcast_to(np.empty((), np.bool_), _local_block(spec)[0]),
+                         replace(spec, dtype=np.dtype(np.bool_)))
+
+
+def _random_like(op, like: DTensor, dtype) -> DTensor:
+    return op(_template(like._spec), key=random.next_key(), dtype=np.dtype(dtype))
+
+
+def full(shape, value, *, dtype=None, device_mesh: DeviceMesh,
+         placements: Sequence[Placement], requires_grad: bool = False) -> DTensor:
+    """A DTensor filled with ``value``; each rank allocates only its block."""
+    spec = _factory_spec(shape, dtype, device_mesh, placements)
+    out = DTensor._make(np.full(_local_block(spec)[0], value, spec.dtype), spec)
+    out.requires_grad = requires_grad
+    return out
+
+
+def zeros(*shape, dtype=None, device_mesh: DeviceMesh, placements, requires_grad=False):
+    return full(shape, 0, dtype=dtype, device_mesh=device_mesh, placements=placements,
+                requires_grad=requires_grad)
+
+
+def ones(*shape, dtype=None, device_mesh: DeviceMesh, placements, requires_grad=False):
+    return full(shape, 1, dtype=dtype, device_mesh=device_mesh, placements=placements,
+                requires_grad=requires_grad)
+
+
+def rand(*shape, dtype=None, device_mesh: DeviceMesh, placements, requires_grad=False):
+    """Uniform [0, 1): exactly the numbers dtensor.rand(*shape) gives in one process."""
+    spec = _factory_spec(shape, dtype, device_mesh, placements)
+    out = _random_like(structural.rand, DTensor._make(None, spec), spec.dtype)
+    out.requires_grad = requires_grad
+    return out
+
+
+def randn(*shape, dtype=None, device_mesh: DeviceMesh, placements, requires_grad=False):
+    """Standard normal: exactly the numbers dtensor.randn(*shape) gives in one process."""
+    spec = _factory_spec(shape, dtype, device_mesh, placements)
+    out = _random_like(structural.randn, DTensor._make(None, spec), spec.dtype)
+    out.requires_grad = requires_grad
+    return out
+
+
+def distribute_module(module, device_mesh: DeviceMesh, partition_fn=None, input_fn=None,
+                      output_fn=None):
+    """Distribute a module's parameters (torch semantics).
+
+    ``partition_fn(name, submodule, mesh)`` may replace parameters with DTensor parameters; by
+    default every parameter is replicated. ``input_fn(module, inputs, mesh)`` and
+    ``output_fn(module, outputs, mesh)`` become forward pre/post hooks.
+    """
+    from dtensor.nn.module import Parameter
+
+    for name, sub in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, sub, device_mesh)
+        for pname, p in list(sub._parameters.items()):
+            if p is not None and not isinstance(p, DTensor):
+                sub._parameters[pname] = Parameter(distribute_tensor(
+                    p.detach(), device_mesh, [Replicate()] * device_mesh.ndim))
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda m, args: input_fn(m, args, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda m, args, out: output_fn(m, out, device_mesh))
+    return module
+
+
+def visualize_sharding(dt: DTensor, header: str = "") -> str:
+    """A text picture of which ranks hold which block of a 1-d or 2-d DTensor (printed on the
+    first rank of the mesh, returned on every rank)."""
+    if dt.ndim not in (1, 2):
+        raise ValueError(f"visualize_sharding draws 1-d and 2-d tensors, got {dt.ndim}-d.")
+    mesh = dt.device_mesh
+    spec = dt._spec
+    blocks: dict = {}
+    for coord in np.ndindex(*mesh.shape):
+        shp, off = local_shape_and_offset(spec.shape, spec.placements, mesh.shape, list(coord))
+        rng = tuple((o, o + n) for o, n in zip(off, shp))
+        blocks.setdefault(rng, []).append(int(mesh.mesh[coord]))
+    lines = [header] if header else []
+    lines.append(f"{tuple(dt.shape)} {list(dt.placements)} on {mesh}")
+    for rng, ranks in sorted(blocks.items()):
+        where = ", ".join(f"{a}:{b}" for a, b in rng)
+        lines.append(f"  [{where}] -> ranks {ranks}")
+    text = "\n".join(lines)
+    if mesh.get_rank() == int(mesh.mesh.reshape(-1)[0]):
+        print(text, flush=True)
+    return text

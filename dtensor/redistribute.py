@@ -1,0 +1,140 @@
+"""Redistribute: move a DTensor's local data from one placement per mesh dim to another.
+
+One transition per mesh dim, from a table (DESIGN 4):
+
+    S(i) -> R      all_gather          P -> R      all_reduce
+    S(i) -> S(j)   all_to_all          P -> S(i)   reduce_scatter
+    R -> S(i)      local slice         R -> P      local (only inside sharding rules)
+
+Uneven shards use the v-collectives with exact sizes, so nothing is padded. Order matters when
+several mesh dims shard one tensor dim (mesh dim 0 splits first): gathers run from the last
+mesh dim to the first, slices from the first to the last.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dtensor.placements import Partial, Placement, Replicate, Shard, shard_size_and_offset
+
+__all__ = ["redistribute_local", "local_shape_and_offset", "transition_cost", "dim_extent"]
+
+
+def dim_extent(shape, placements, mesh_shape, coord, d: int, upto: int) -> int:
+    """Length of tensor dim ``d`` on this rank after the splits of mesh dims < ``upto``."""
+    n = shape[d]
+    for m in range(upto):
+        p = placements[m]
+        if isinstance(p, Shard) and p.dim == d:
+            n, _ = shard_size_and_offset(n, mesh_shape[m], coord[m])
+    return n
+
+
+def local_shape_and_offset(shape, placements, mesh_shape, coord):
+    """This rank's block of a global ``shape``: (local shape, global offset per dim)."""
+    size, off = list(shape), [0] * len(shape)
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n, o = shard_size_and_offset(size[p.dim], mesh_shape[m], coord[m])
+            size[p.dim], off[p.dim] = n, off[p.dim] + o
+    return tuple(size), tuple(off)
+
+
+def transition_cost(src: Placement, dst: Placement, nbytes: int, n: int) -> float:
+    """Bytes a rank moves for one mesh-dim transition of a tensor of ``nbytes`` (global) over
+    ``n`` ranks; inf for a transition the table does not allow."""
+    if src == dst or n == 1:
+        return 0.0
+    if isinstance(dst, Partial):
+        return 0.0 if isinstance(src, Replicate) else float("inf")
+    if isinstance(src, Shard):
+        return nbytes * (n - 1) / n / (n if isinstance(dst, Shard) else 1)
+    if isinstance(src, Partial):
+        return nbytes * (n - 1) / n * (1 if isinstance(dst, Shard) else 2)
+    return 0.0  # R -> S: a local slice
+
+
+def _debug(msg: str) -> None:
+    if os.environ.get("DTENSOR_DEBUG", "0") not in ("", "0"):
+        from dtensor.comm import get_world
+        if get_world().rank == 0:
+            print(f"[dtensor] {msg}", flush=True)
+
+
+def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...]) -> np.ndarray:
+    """The local array of ``spec``'s tensor laid out as ``placements`` (same mesh and shape)."""
+    mesh, shape = spec.mesh, spec.shape
+    src = tuple(spec.placements)
+    if src == tuple(placements):
+        return local
+    coord = mesh.get_coordinate()
+    cur = list(src)
+    tgt = list(placements)
+    nd = mesh.ndim
+    _debug(f"redistribute {tuple(shape)} {spec.dtype}: {list(src)} -> {list(placements)} "
+           f"({int(np.prod(shape)) * np.dtype(spec.dtype).itemsize} bytes)")
+
+    def shards(d, below):  # mesh dims > below that currently shard tensor dim d
+        return [m for m in range(below + 1, nd) if cur[m] == Shard(d)]
+
+    # 1. Undo shards, innermost mesh dim first. A shard of the same tensor dim that changes on
+    #    an outer mesh dim forces this inner one to be gathered too (outer dims split first).
+    for m in reversed(range(nd)):
+        p = cur[m]
+        if not isinstance(p, Shard):
+            continue
+        outer_changes = any(p in (cur[o], tgt[o]) and cur[o] != tgt[o] for o in range(m))
+        if tgt[m] == p and not outer_changes:
+            continue
+        group = mesh.get_group(m)
+        d = p.dim
+        if isinstance(tgt[m], Shard) and not outer_changes and not shards(tgt[m].dim, m):
+            j = tgt[m].dim
+            ext_d = dim_extent(shape, cur, mesh.shape, coord, d, m)
+            ext_j = dim_extent(shape, cur, mesh.shape, coord, j, m)
+            local = group.all_to_all(
+                local, split_axis=j, concat_axis=d,
+                split_sizes=[shard_size_and_offset(ext_j, group.size, r)[0]
+                             for r in range(group.size)],
+                concat_sizes=[shard_size_and_offset(ext_d, group.size, r)[0]
+                              for r in range(group.size)])
+            cur[m] = tgt[m]
+            continue
+        ext = dim_extent(shape, cur, mesh.shape, coord, d, m)
+        sizes = [shard_size_and_offset(ext, group.size, r)[0] for r in range(group.size)]
+        local = group.all_gather(local, axis=d, sizes=sizes)
+        cur[m] = Replicate()
+
+    # 2. Resolve pending reductions.
+    for m in range(nd):
+        p = cur[m]
+        if not isinstance(p, Partial) or tgt[m] == p:
+            continue
+        group = mesh.get_group(m)
+        t = tgt[m]
+        if isinstance(t, Shard) and not shards(t.dim, m) and not any(
+                cur[o] == t for o in range(m)):
+            ext = dim_extent(shape, cur, mesh.shape, coord, t.dim, m)
+            sizes = [shard_size_and_offset(ext, group.size, r)[0] for r in range(group.size)]
+            local = group.reduce_scatter(local, op=p.reduce_op, axis=t.dim, sizes=sizes)
+            cur[m] = t
+        else:
+            local = group.all_reduce(local, op=p.reduce_op)
+            cur[m] = Replicate()
+
+    # 3. Shard and make partial locally, outermost mesh dim first.
+    for m in range(nd):
+        t = tgt[m]
+        if cur[m] == t:
+            continue
+        assert isinstance(cur[m], Replicate), (cur, tgt)
+        if isinstance(t, Shard):
+            ext = local.shape[t.dim]
+            n, off = shard_size_and_offset(ext, mesh.shape[m], coord[m])
+            local = np.ascontiguousarray(np.take(local, range(off, off + n), axis=t.dim))
+        elif isinstance(t, Partial) and t.reduce_op == "sum" and coord[m] != 0:
+            # A replicated value as sum-partials: one rank keeps it, the others hold zeros.
+            local = np.zeros_like(local)
+        cur[m] = t
+    return local

@@ -1,0 +1,309 @@
+"""Sharding propagation: per-op rules for ONE mesh dim, expanded to N-d meshes by the engine.
+
+A rule maps input avals (and params) to candidate strategies ``(input placements, output
+placement)``; the engine adds the Partial strategies an op's ``linearity`` allows, prices every
+candidate by the bytes its input redistributions move (redistribute.transition_cost), and keeps
+the cheapest, first listed on ties. Rules list "stay sharded" candidates first, so ties keep
+data where it is. Results are cached on (op, input specs, params).
+
+A reduction or contraction over a sharded dim gives Partial. An op without a rule raises
+NotImplementedError naming the op and the placements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dtensor.placements import Partial, Placement, Replicate, Shard
+from dtensor.redistribute import transition_cost
+
+__all__ = ["Strategy", "propagate", "RULES"]
+
+R = Replicate()
+_LINEAR_REDUCE = ("sum", "avg")
+
+
+def _is_scalar(a) -> bool:
+    return isinstance(a, (int, float, bool))
+
+
+# ----------------------------------------------------------------------------- rules
+# rule(avals, params, out) -> [(ins, out_placement)], ins aligned with the args (None = scalar).
+
+
+def _pointwise(avals, params, out):
+    nd = len(out.shape)
+    cands = []
+    for d in range(nd):
+        ins = []
+        for a in avals:
+            if _is_scalar(a):
+                ins.append(None)
+                continue
+            ad = d - (nd - len(a.shape))
+            ins.append(R if ad < 0 or a.shape[ad] != out.shape[d] else Shard(ad))
+        cands.append((ins, Shard(d)))
+    return cands + [([None if _is_scalar(a) else R for a in avals], R)]
+
+
+def _reduce(avals, params, out, kind):
+    (x,), axis, keep = avals, params["axis"], params["keepdims"]
+    cands = []
+    for d in range(len(x.shape)):
+        if d in axis:
+            cands.append(([Shard(d)], Partial(kind)))
+        else:
+            cands.append(([Shard(d)], Shard(d if keep else d - sum(1 for a in axis if a < d))))
+    return cands + [([R], R)]
+
+
+def _matmul(avals, params, out):
+    x, y = avals
+    nx, ny, no = len(x.shape), len(y.shape), len(out.shape)
+    cands = []
+    for b in range(no - 2):  # batch dims, aligned from the right
+        bx, by = b - (no - nx), b - (no - ny)
+        ix = Shard(bx) if bx >= 0 and x.shape[bx] == out.shape[b] else R
+        iy = Shard(by) if by >= 0 and y.shape[by] == out.shape[b] else R
+        cands.append(([ix, iy], Shard(b)))
+    cands += [([Shard(nx - 2), R], Shard(no - 2)), ([R, Shard(ny - 1)], Shard(no - 1)),
+              ([Shard(nx - 1), Shard(ny - 2)], Partial("sum")), ([R, R], R)]
+    return cands
+
+
+def _reshape_groups(src, dst):
+    """Pair up runs of dims whose sizes multiply to the same number: [(src dims, dst dims)]."""
+    groups, i, j = [], 0, 0
+    while i < len(src) and j < len(dst):
+        gi, gj, ps, pd = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while ps != pd:
+            if ps < pd:
+                gi.append(i)
+                ps *= src[i]
+                i += 1
+            else:
+                gj.append(j)
+                pd *= dst[j]
+                j += 1
+        groups.append((gi, gj))
+    if groups:  # trailing size-1 dims join the last group
+        groups[-1][0].extend(range(i, len(src)))
+        groups[-1][1].extend(range(j, len(dst)))
+    return groups
+
+
+def _reshape(avals, params, out, mesh_size=1, current=None):
+    (x,), shape = avals, params["shape"]
+    cands = []
+    if 0 not in x.shape and 0 not in shape:
+        for gi, gj in _reshape_groups(x.shape, shape):
+            d = next((k for k in gi if x.shape[k] != 1), None)
+            j = next((k for k in gj if shape[k] != 1), None)
+            if d is None or j is None:
+                continue
+            if x.shape[d] % mesh_size == 0 and shape[j] % mesh_size == 0:
+                cands.append(([Shard(d)], Shard(j)))
+    if isinstance(current, Shard) and [current] not in [c[0] for c in cands]:
+        raise ValueError(
+            f"reshape {tuple(x.shape)} -> {tuple(shape)} cannot keep tensor dim {current.dim} "
+            f"sharded ({current}) over a mesh dim of size {mesh_size} without moving data: the "
+            f"sharded dim must be the outermost of the dims it is merged with or split into, "
+            f"and both sizes must divide by {mesh_size}. Redistribute first, e.g. "
+            f"x.redistribute(mesh, [Replicate()]), or shard another dim.")
+    return cands + [([R], R)]
+
+
+def _permute(avals, params, out):
+    axes = params["axes"]
+    return [([Shard(d)], Shard(axes.index(d))) for d in range(len(axes))] + [([R], R)]
+
+
+def _broadcast(avals, params, out):
+    (x,), shape = avals, params["shape"]
+    lead = len(shape) - len(x.shape)
+    return [([Shard(d)], Shard(d + lead)) for d in range(len(x.shape))
+            if x.shape[d] == shape[d + lead]] + [([R], R)]
+
+
+def _key_positions(key, ndim):
+    """For a canonical index: output position of each input dim (None if indexed by an int)."""
+    pos, out_d, in_d = [None] * ndim, 0, 0
+    for k in key:
+        if k is None:
+            out_d += 1
+        elif isinstance(k, tuple):
+            pos[in_d] = out_d
+            in_d, out_d = in_d + 1, out_d + 1
+        else:
+            in_d += 1
+    return pos
+
+
+def _full(k, n) -> bool:
+    return isinstance(k, tuple) and tuple(k) == (0, n, 1)
+
+
+def _getitem(avals, params, out):
+    (x,), key = avals, params["key"]
+    real = [k for k in key if k is not None]
+    pos = _key_positions(key, len(x.shape))
+    return [([Shard(d)], Shard(pos[d])) for d in range(len(x.shape))
+            if _full(real[d], x.shape[d])] + [([R], R)]
+
+
+def _slice_scatter(avals, params, out):
+    shape, key = params["shape"], params["key"]
+    real = [k for k in key if k is not None]
+    pos = _key_positions(key, len(shape))
+    return [([Shard(pos[d])], Shard(d)) for d in range(len(shape))
+            if _full(real[d], shape[d])] + [([R], R)]
+
+
+def _cat(avals, params, out):
+    axis = params["axis"]
+    return [([Shard(d)] * len(avals), Shard(d)) for d in range(len(out.shape)) if d != axis] + [
+        ([R] * len(avals), R)]
+
+
+def _index_select(avals, params, out):
+    w, idx = avals
+    ni = len(idx.shape)
+    return ([([R, Shard(d)], Shard(d)) for d in range(ni)]
+            + [([Shard(j), R], Shard(ni + j - 1)) for j in range(1, len(w.shape))]
+            + [([Shard(0), R], Partial("sum")), ([R, R], R)])
+
+
+def _index_add(avals, params, out):
+    g, idx = avals
+    ni = len(idx.shape)
+    return ([([Shard(d), Shard(d)], Partial("sum")) for d in range(ni)]
+            + [([Shard(d), R], Shard(d - ni + 1)) for d in range(ni, len(g.shape))]
+            + [([R, R], Shard(0)), ([R, R], R)])
+
+
+def _gather(avals, params, out):
+    x, idx = avals
+    axis = params["axis"]
+    return ([([Shard(d), Shard(d)], Shard(d)) for d in range(len(x.shape)) if d != axis]
+            + [([Shard(axis), R], Partial("sum")), ([R, R], R)])
+
+
+def _scatter_add(avals, params, out):
+    g, idx = avals
+    axis = params["axis"]
+    return ([([Shard(d), Shard(d)], Shard(d)) for d in range(len(g.shape)) if d != axis]
+            + [([R, R], Shard(axis)), ([R, R], R)])
+
+
+def _rowwise(avals, params, out):
+    nd = len(out.shape)
+    free = nd - (2 if params.get("causal") else 1)  # the softmax (and causal) dims stay whole
+    return [([Shard(d)] * len(avals), Shard(d)) for d in range(free)] + [([R] * len(avals), R)]
+
+
+def _pointwise_stacked(avals, params, out):
+    nd = len(avals[0].shape)
+    return [([Shard(d)] * len(avals), Shard(d + 1)) for d in range(nd)] + [([R] * len(avals), R)]
+
+
+RULES = {
+    "pointwise": _pointwise, "matmul": _matmul, "reshape": _reshape, "permute": _permute,
+    "broadcast": _broadcast, "getitem": _getitem, "slice_scatter": _slice_scatter, "cat": _cat,
+    "index_select": _index_select, "index_add": _index_add, "gather": _gather,
+    "scatter_add": _scatter_add, "rowwise": _rowwise, "pointwise_stacked": _pointwise_stacked,
+    "reduce": None, "factory": None,  # handled in _candidates: they depend on the op / input
+}
+
+
+# ----------------------------------------------------------------------------- engine
+
+def _linear_candidates(op, avals, current):
+    """Partial strategies that the op's linearity allows, for the reduce ops present."""
+    lin = op.linearity
+    if lin == "none":
+        return []
+    present = {p.reduce_op for p in current if isinstance(p, Partial)} & set(_LINEAR_REDUCE)
+    diff = [k for k, a in enumerate(avals) if not _is_scalar(a) and k not in op.nondiff]
+    cands = []
+    for r in sorted(present):
+        P = Partial(r)
+        base = [None if _is_scalar(a) else R for a in avals]
+        if lin == "all":
+            # Jointly linear: every tensor input partial; a non-zero constant would be added
+            # once per rank, so only zero constants may join.
+            if any(_is_scalar(a) and a != 0 and k not in op.nondiff for k, a in enumerate(avals)):
+                continue
+            cands.append(([P if k in diff else b for k, b in enumerate(base)], P))
+        else:
+            for k in (diff if lin == "one" else [k for k in lin if k in diff]):
+                ins = list(base)
+                ins[k] = P
+                cands.append((ins, P))
+    return cands
+
+
+def _candidates(op, avals, params, out, current, mesh_size):
+    kind = op.shard
+    if kind == "reduce":
+        cands = _reduce(avals, params, out, op.name)
+        if op.name == "max" and current[0] == Partial("max"):
+            cands.append(([Partial("max")], Partial("max")))
+    elif kind == "factory":
+        p = current[0]
+        cands = [([p], R if isinstance(p, Partial) else p)]
+    elif kind == "reshape":
+        cands = _reshape(avals, params, out, mesh_size, current[0])
+    elif kind in RULES:
+        cands = RULES[kind](avals, params, out)
+    else:
+        raise NotImplementedError(
+            f"op {op.name!r} has no sharding rule (shard={kind!r}); inputs are "
+            f"{[c for c in current]}. Add a rule to dtensor/sharding.py or call it on "
+            f"full tensors (dt.full_tensor()).")
+    return cands + _linear_candidates(op, avals, current)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Where each DTensor input must be (None for scalars) and the output's placements."""
+
+    inputs: tuple[tuple[Placement, ...] | None, ...]
+    out: tuple[Placement, ...]
+
+
+def propagate(op, avals, params, placements, out, mesh) -> Strategy:
+    """Choose input and output placements for ``op`` on every mesh dim (greedy, in order).
+
+    Args:
+        avals: global Aval per arg, or the Python scalar itself.
+        placements: each arg's current placements (None for scalars).
+        out: the op's output Aval (global).
+    """
+    nbytes = [0 if _is_scalar(a) else int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+              for a in avals]
+    ins = [None if p is None else [None] * mesh.ndim for p in placements]
+    outp = []
+    for m in range(mesh.ndim):
+        n = mesh.shape[m]
+        current = [None if p is None else p[m] for p in placements]
+        best, best_cost = None, (float("inf"), 0)
+        for cand_in, cand_out in _candidates(op, avals, params, out, current, n):
+            # (bytes moved, inputs that change placement): free re-layouts (R -> S) lose ties
+            # to keeping every input where it is.
+            moved, changed = 0.0, 0
+            for k, need in enumerate(cand_in):
+                if need is not None and current[k] is not None and need != current[k]:
+                    moved += transition_cost(current[k], need, nbytes[k], n)
+                    changed += 1
+            if (moved, changed) < best_cost:
+                best, best_cost = (cand_in, cand_out), (moved, changed)
+        if best is None:
+            raise NotImplementedError(
+                f"op {op.name!r}: no sharding strategy for inputs {current} on mesh dim {m}.")
+        for k, need in enumerate(best[0]):
+            if ins[k] is not None:
+                ins[k][m] = need if need is not None else current[k]
+        outp.append(best[1])
+    return Strategy(tuple(None if i is None else tuple(i) for i in ins), tuple(outp))

@@ -127,7 +127,8 @@ def _contig(x) -> np.ndarray:
     if x.dtype.name not in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
                             "uint8", "bool"):
         raise TypeError(f"collectives take numeric numpy arrays, got dtype {x.dtype}.")
-    return np.ascontiguousarray(x)
+    # (np.ascontiguousarray would turn a 0-d array into a 1-d one.)
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(x.shape)
 
 
 def _out(out, shape, dtype, what: str) -> np.ndarray:

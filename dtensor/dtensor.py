@@ -82,19 +82,39 @@ def _check_placements(mesh: DeviceMesh, placements, shape) -> tuple[Placement, .
 class DTensor(TensorMethods):
     """A distributed tensor. Build one with ``distribute_tensor`` or ``DTensor.from_local``."""
 
-    __slots__ = ("_local", "_spec", "_work", "requires_grad", "grad", "_node", "_is_param",
-                 "__weakref__")
+    __slots__ = ("_local", "_spec", "_work", "_reduced", "requires_grad", "grad", "_node",
+                 "_is_param", "__weakref__")
 
     @staticmethod
     def _make(local: np.ndarray, spec: DTensorSpec, work=None) -> "DTensor":
         t = object.__new__(DTensor)
-        t._local, t._spec, t._work = local, spec, work
+        t._local, t._spec, t._work, t._reduced = local, spec, work, None
         t.requires_grad, t.grad, t._node, t._is_param = False, None, None, False
         return t
 
+    def _local_as(self, placements) -> np.ndarray:
+        """The local block laid out as ``placements``.
+
+        A Partial tensor remembers its reduced layouts: the backward of a nonlinear op reads
+        the op's inputs again, and must not all-reduce them a second time.
+        """
+        if placements == self._spec.placements:
+            return self._loc()
+        if self._reduced is not None and placements in self._reduced:
+            return self._reduced[placements]
+        local = redistribute_local(self._loc(), self._spec, placements)
+        if any(isinstance(p, Partial) for p in self._spec.placements):
+            if self._reduced is None:
+                self._reduced = {}
+            self._reduced[placements] = local
+        return local
+
+    def _set_local(self, local: np.ndarray) -> None:
+        self._local, self._work, self._reduced = local, None, None
+
     def _loc(self) -> np.ndarray:
         if self._work is not None:  # an async redistribute: wait on first use
-            self._local, self._work = self._work.wait(), None
+            self._set_local(self._work.wait())
         return self._local
 
     # -- metadata
@@ -191,7 +211,7 @@ class DTensor(TensorMethods):
     def _assign(self, new: "DTensor") -> None:
         if new.placements != self.placements:
             new = _redistribute(new, self.placements)
-        self._local = new._loc().astype(self.dtype, copy=False)
+        self._set_local(new._loc().astype(self.dtype, copy=False))
 
     def _owned(self, taken: set) -> "DTensor":
         return self
@@ -217,22 +237,22 @@ class DTensor(TensorMethods):
             src, self.device_mesh, [Replicate()] * self.device_mesh.ndim, src_data_rank=None)
         if src.shape != self.shape:
             raise ValueError(f"copy_: source shape {src.shape} differs from {self.shape}.")
-        self._local = np.array(redistribute_local(src._loc(), src._spec, self.placements),
-                               dtype=self.dtype)
+        self._set_local(np.array(redistribute_local(src._loc(), src._spec, self.placements),
+                                 dtype=self.dtype))
         return self
 
     def zero_(self) -> "DTensor":
-        self._local = np.zeros_like(self._loc())
+        self._set_local(np.zeros_like(self._loc()))
         return self
 
     def normal_(self, mean: float = 0.0, std: float = 1.0) -> "DTensor":
-        self._local = (_random_like(structural.randn, self, self.dtype)._loc() * std + mean
-                       ).astype(self.dtype)
+        self._set_local((_random_like(structural.randn, self, self.dtype)._loc() * std + mean
+                          ).astype(self.dtype))
         return self
 
     def uniform_(self, a: float = 0.0, b: float = 1.0) -> "DTensor":
-        self._local = (_random_like(structural.rand, self, self.dtype)._loc() * (b - a) + a
-                       ).astype(self.dtype)
+        self._set_local((_random_like(structural.rand, self, self.dtype)._loc() * (b - a) + a
+                          ).astype(self.dtype))
         return self
 
 
@@ -342,8 +362,7 @@ def _interpret(op: Op, args, params):
     if entry is None:
         entry = _CACHE[key] = _plan(op, args, params, mesh)
     targets, out_spec, local_params, fn = entry
-    locals_ = [redistribute_local(a._loc(), a._spec, t) if t is not None else a
-               for a, t in zip(args, targets)]
+    locals_ = [a._local_as(t) if t is not None else a for a, t in zip(args, targets)]
     if fn is None:
         out = op.impl(*locals_, **local_params)
     else:

@@ -4,7 +4,9 @@ A rule maps input avals (and params) to candidate strategies ``(input placements
 placement)``; the engine adds the Partial strategies an op's ``linearity`` allows, prices every
 candidate by the bytes its input redistributions move (redistribute.transition_cost), and keeps
 the cheapest, first listed on ties. Rules list "stay sharded" candidates first, so ties keep
-data where it is. Results are cached on (op, input specs, params).
+data where it is; a candidate that would shard an input along a dim no input is already sharded
+on is not considered (ops follow their inputs' layout, as in PyTorch). Results are cached on
+(op, input specs, params).
 
 A reduction or contraction over a sharded dim gives Partial. An op without a rule raises
 NotImplementedError naming the op and the placements.
@@ -103,7 +105,10 @@ def _reshape(avals, params, out, mesh_size=1, current=None):
             j = next((k for k in gj if shape[k] != 1), None)
             if d is None or j is None:
                 continue
-            if x.shape[d] % mesh_size == 0 and shape[j] % mesh_size == 0:
+            # A dim that only gains or loses size-1 neighbours keeps its exact layout; a merge or
+            # split keeps it when both outermost sizes divide evenly over the mesh dim.
+            same = x.shape[d] == shape[j] == int(np.prod([x.shape[k] for k in gi]))
+            if same or (x.shape[d] % mesh_size == 0 and shape[j] % mesh_size == 0):
                 cands.append(([Shard(d)], Shard(j)))
     if isinstance(current, Shard) and [current] not in [c[0] for c in cands]:
         raise ValueError(
@@ -292,11 +297,20 @@ def propagate(op, avals, params, placements, out, mesh) -> Strategy:
         for cand_in, cand_out in _candidates(op, avals, params, out, current, n):
             # (bytes moved, inputs that change placement): free re-layouts (R -> S) lose ties
             # to keeping every input where it is.
-            moved, changed = 0.0, 0
+            moved, changed, follows, introduces = 0.0, 0, False, False
             for k, need in enumerate(cand_in):
-                if need is not None and current[k] is not None and need != current[k]:
+                if need is None or current[k] is None:
+                    continue
+                if need != current[k]:
                     moved += transition_cost(current[k], need, nbytes[k], n)
                     changed += 1
+                    introduces |= isinstance(need, Shard)
+                elif isinstance(need, Shard):
+                    follows = True
+            # Ops follow their inputs' shards: a shard no input has is never invented (so a
+            # Partial feeding a nonlinear op is all-reduced, not silently scattered).
+            if introduces and not follows:
+                continue
             if (moved, changed) < best_cost:
                 best, best_cost = (cand_in, cand_out), (moved, changed)
         if best is None:

@@ -1,0 +1,160 @@
+"""DTensor's public API: construction, factories, randomness, a hand-sharded MLP, bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dtensor
+import dtensor.nn.functional as F
+from dtensor import Partial, Replicate, Shard
+from dtensor.comm import count_collectives
+from dtensor.dtensor import DTensor, distribute_tensor
+
+
+def counts(log):
+    return {k: n for k, (n, _) in log.summary().items()}
+
+
+class MLP(dtensor.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = dtensor.nn.Linear(6, 16, bias=True)
+        self.fc2 = dtensor.nn.Linear(16, 5, bias=True)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def train(model, xs, ys, wrap):
+    opt = dtensor.optim.SGD(model.parameters(), lr=0.1)
+    losses, logs = [], []
+    for x, y in zip(xs, ys):
+        xin = dtensor.Tensor(x, requires_grad=True)  # as if it came from an earlier layer
+        with count_collectives() as fwd:
+            out = model(wrap(xin))
+            loss = ((out - wrap(dtensor.Tensor(y))) ** 2).mean()
+        with count_collectives() as bwd:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
+        logs.append((counts(fwd), counts(bwd)))
+    return losses, logs
+
+
+@pytest.mark.ranks(4)
+def test_hand_sharded_mlp_matches_one_process(rank):
+    """fc1 column-sharded (Shard(0) weight), fc2 row-sharded (Shard(1) weight) on (4,): the
+    Megatron MLP, with one all_reduce forward (fc2's partial sums) and one backward (the input
+    gradient), falling out of the sharding rules."""
+    mesh = dtensor.init_device_mesh("cpu", (4,))
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((8, 6)).astype(np.float32) for _ in range(3)]
+    ys = [rng.standard_normal((8, 5)).astype(np.float32) for _ in range(3)]
+    dtensor.manual_seed(1)
+    ref = MLP()
+    dtensor.manual_seed(1)
+    model = MLP()
+
+    def shard(name, placement):
+        mod = getattr(model, name)
+        for pname, p in list(mod._parameters.items()):
+            pl = placement(pname)
+            mod._parameters[pname] = dtensor.nn.Parameter(distribute_tensor(p.detach(), mesh,
+                                                                            [pl]))
+    shard("fc1", lambda n: Shard(0))                                  # weight rows, bias
+    shard("fc2", lambda n: Shard(1) if n == "weight" else Replicate())
+
+    ref_losses, _ = train(ref, xs, ys, lambda x: x)
+    losses, logs = train(model, xs, ys,
+                         lambda x: DTensor.from_local(x, mesh, [Replicate()]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        np.testing.assert_allclose(q.full_tensor().numpy(), p.numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=n)
+    for fwd, bwd in logs:
+        assert fwd == {"all_reduce": 1}, fwd
+        assert bwd == {"all_reduce": 1}, bwd
+
+
+@pytest.mark.ranks(4)
+def test_random_is_sharding_invariant(rank):
+    for shape in [(4,), (2, 2)]:
+        mesh = dtensor.init_device_mesh("cpu", shape)
+        for pl in ([Shard(0)], [Shard(1)], [Replicate()]) if len(shape) == 1 else (
+                [Shard(0), Shard(1)], [Shard(1), Shard(1)], [Replicate(), Shard(0)]):
+            for fn in (dtensor.rand, dtensor.randn):
+                dtensor.manual_seed(42)
+                full = fn(7, 5).numpy()
+                dtensor.manual_seed(42)
+                d = fn(7, 5, device_mesh=mesh, placements=pl)
+                np.testing.assert_array_equal(d.full_tensor().numpy(), full)
+        # Dropout on a sharded activation drops exactly the elements one process drops.
+        x = np.arange(6 * 10, dtype=np.float32).reshape(6, 10) + 1
+        dtensor.manual_seed(3)
+        ref = F.dropout(dtensor.Tensor(x), 0.3).numpy()
+        dtensor.manual_seed(3)
+        pl = [Shard(1)] * len(shape) if len(shape) == 1 else [Shard(0), Shard(1)]
+        got = F.dropout(distribute_tensor(x, mesh, pl), 0.3)
+        np.testing.assert_array_equal(got.full_tensor().numpy(), ref)
+
+
+@pytest.mark.ranks(4)
+def test_factories_allocate_only_the_local_block(rank):
+    mesh = dtensor.init_device_mesh("cpu", (4,))
+    z = dtensor.zeros(10, 3, device_mesh=mesh, placements=[Shard(0)])
+    assert z.shape == (10, 3) and z.to_local().shape == ((3, 3) if rank < 3 else (1, 3))
+    o = dtensor.ones(2, 8, dtype="float64", device_mesh=mesh, placements=[Shard(1)])
+    assert o.to_local().shape == (2, 2) and o.dtype == np.float64
+    f = dtensor.full((5,), 7.0, device_mesh=mesh, placements=[Replicate()])
+    np.testing.assert_array_equal(f.full_tensor().numpy(), np.full(5, 7.0, np.float32))
+
+
+@pytest.mark.ranks(2)
+def test_from_local_to_local_and_uneven_shapes(rank):
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    local = np.full((3 if rank == 0 else 2, 4), float(rank))
+    d = DTensor.from_local(local, mesh, [Shard(0)], shape=(5, 4), run_check=True)
+    assert d.shape == (5, 4) and d.to_local().shape == local.shape
+    np.testing.assert_array_equal(d.full_tensor().numpy()[:, 0], [0, 0, 0, 1, 1])
+    even = DTensor.from_local(np.ones((2, 4)), mesh, [Shard(1)])  # no shape: assumed even
+    assert even.shape == (2, 8)
+    # Gradients flow through from_local / to_local.
+    t = dtensor.Tensor(np.ones((2, 3)), requires_grad=True)
+    (DTensor.from_local(t, mesh, [Shard(0)]) * 3).to_local().sum().backward()
+    np.testing.assert_array_equal(t.grad.numpy(), np.full((2, 3), 3.0))
+
+
+@pytest.mark.ranks(2)
+def test_implicit_replication_and_visualize(rank, capsys):
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    d = distribute_tensor(np.arange(6.0).reshape(2, 3), mesh, [Shard(1)])
+    with pytest.raises(TypeError, match=r"mixes a plain Tensor \(shape \(3,\)\).*implicit_"):
+        d + dtensor.ones(3, dtype="float64")
+    with dtensor.implicit_replication():
+        np.testing.assert_array_equal((d + dtensor.ones(3, dtype="float64")).full_tensor()
+                                      .numpy(), np.arange(6.0).reshape(2, 3) + 1)
+    text = dtensor.visualize_sharding(d)
+    assert "[0:2, 0:2] -> ranks [0]" in text and "[0:2, 2:3] -> ranks [1]" in text
+    assert ("ranks [0]" in capsys.readouterr().out) == (rank == 0)
+
+
+@pytest.mark.ranks(2)
+def test_bad_input_is_clear_and_raised_on_every_rank(rank):
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    x = np.ones((4, 3))
+    with pytest.raises(ValueError, match=r"2 placements \[S\(0\), R\] for a 1-d mesh"):
+        distribute_tensor(x, mesh, [Shard(0), Replicate()])
+    with pytest.raises(ValueError, match=r"S\(2\) is out of range for a tensor of shape \(4, 3\)"):
+        distribute_tensor(x, mesh, [Shard(2)])
+    d = distribute_tensor(x, mesh, [Shard(0)])
+    with pytest.raises(ValueError, match=r"redistribute to P\(sum\).*not allowed"):
+        d.redistribute(mesh, [Partial()])
+    with pytest.raises(TypeError, match="Shard"):
+        distribute_tensor(x, mesh, ["S0"])
+    # from_local with blocks that disagree across ranks: caught on every rank with run_check.
+    local = np.ones((2 + rank, 3))
+    with pytest.raises(ValueError, match=r"rank 1: local \(3, 3\).*expected \(2, 3\)"):
+        DTensor.from_local(local, mesh, [Shard(0)], shape=(4, 3), run_check=True)
+    with pytest.raises(TypeError, match="no single numpy array"):
+        d.numpy()

@@ -427,6 +427,8 @@ def _index_select_local(w, idx, *, in_specs, out_spec):
     off, n = _rows(in_specs[0], 0)
     if n == in_specs[0].shape[0]:
         return np.take(w, idx, axis=0)
+    if n == 0:  # an empty trailing shard holds none of the rows
+        return np.zeros(_local_block(out_spec)[0], w.dtype)
     rel = idx - off  # vocab-parallel lookup: rows outside this block contribute zeros (Partial)
     hit = (rel >= 0) & (rel < n)
     out = np.take(w, np.where(hit, rel, 0), axis=0)
@@ -436,9 +438,11 @@ def _index_select_local(w, idx, *, in_specs, out_spec):
 
 def _index_add_local(g, idx, num, *, in_specs, out_spec):
     off, n = _rows(out_spec, 0)
+    if n == 0:
+        return np.zeros(_local_block(out_spec)[0], g.dtype)
     rel = idx - off
     hit = (rel >= 0) & (rel < n)
-    rows = g.reshape((-1,) + g.shape[idx.ndim:])[hit.reshape(-1)]
+    rows = g.reshape((idx.size,) + g.shape[idx.ndim:])[hit.reshape(-1)]
     return structural.index_add.impl(rows, rel[hit], n)
 
 
@@ -446,6 +450,8 @@ def _gather_local(x, idx, axis, *, in_specs, out_spec):
     off, n = _rows(in_specs[0], axis)
     if n == in_specs[0].shape[axis]:
         return np.take_along_axis(x, idx, axis=axis)
+    if n == 0:
+        return np.zeros(_local_block(out_spec)[0], x.dtype)
     rel = idx - off
     hit = (rel >= 0) & (rel < n)
     return np.take_along_axis(x, np.where(hit, rel, 0), axis=axis) * hit
@@ -453,6 +459,8 @@ def _gather_local(x, idx, axis, *, in_specs, out_spec):
 
 def _scatter_add_local(g, idx, axis, size, *, in_specs, out_spec):
     off, n = _rows(out_spec, axis)
+    if n == 0:
+        return np.zeros(_local_block(out_spec)[0], g.dtype)
     rel = idx - off
     hit = (rel >= 0) & (rel < n)
     return structural.scatter_add.impl(g * hit, np.where(hit, rel, 0), axis, n)
@@ -469,6 +477,14 @@ def _block_offsets(spec: DTensorSpec) -> np.ndarray:
     return flat
 
 
+def _max_local(x, axis, keepdims, *, in_specs, out_spec):
+    if all(x.shape[a] for a in axis):
+        return np.max(x, axis=axis, keepdims=keepdims)
+    # An empty trailing shard (5 rows over 4 ranks: 2, 2, 1, 0) contributes max's identity.
+    low = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+    return np.full(_local_block(out_spec)[0], low, x.dtype)
+
+
 def _rand_local(like, key, dtype, *, in_specs, out_spec):
     return random.uniform(key, _block_offsets(out_spec), dtype)
 
@@ -478,7 +494,8 @@ def _randn_local(like, key, dtype, *, in_specs, out_spec):
 
 
 _LOCAL = {"index_select": _index_select_local, "index_add": _index_add_local,
-          "gather": _gather_local, "scatter_add": _scatter_add_local, "rand": _rand_local,
+          "gather": _gather_local, "scatter_add": _scatter_add_local, "max": _max_local,
+          "rand": _rand_local,
           "randn": _randn_local}
 
 registry.register_interpreter(DTensor, _interpret)

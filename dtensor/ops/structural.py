@@ -151,7 +151,7 @@ index_select = defop(
 
 def _index_add_impl(g, idx, num):
     # Sort the indices and sum runs of equal ones with reduceat: ~10x faster than np.add.at.
-    rows = g.reshape((-1,) + g.shape[idx.ndim:])
+    rows = g.reshape((idx.size,) + g.shape[idx.ndim:])  # (-1) is ambiguous when empty
     flat = idx.reshape(-1)
     out = np.zeros((num,) + rows.shape[1:], g.dtype)
     if flat.size == 0:

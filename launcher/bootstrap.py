@@ -1,0 +1,326 @@
+"""Everything that runs inside a rank: environment, MPI start-up, failure reports, pool worker.
+
+Two modes, both started by mpiexec (dtlaunch and RankPool build the command line)::
+
+    python .../launcher/bootstrap.py script.py [args ...]   # dtlaunch: run a script as __main__
+    python .../launcher/bootstrap.py --worker               # RankPool: serve cloudpickled tasks
+
+``python -m dtensor.launcher.bootstrap script.py`` works too, but the launchers run this file by
+path: ``-m`` would first import the ``dtensor`` package, which imports numpy (fixing the BLAS
+thread count) and may initialise MPI (fixing the CVARs) before this file could set either. So this
+file imports nothing from dtensor and only the standard library, mpi4py and cloudpickle.
+
+The launcher talks to the ranks through environment variables and files in one private
+directory (``DTENSOR_LAUNCH_DIR``): ``rank{r}.pid`` (pid and host, for SIGUSR1 and killing),
+``rank{r}.stack`` (faulthandler's dump on SIGUSR1), ``rank{r}.err`` (the traceback of an uncaught
+exception, written instead of printing it so that dtlaunch shows it exactly once, last) and, for
+the pool, ``rank{r}.out`` (the rank's stdout+stderr) and the AF_UNIX socket ``pool.sock``.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from types import TracebackType
+
+ENV_DIR = "DTENSOR_LAUNCH_DIR"
+ENV_AUTHKEY = "DTENSOR_LAUNCH_AUTHKEY"
+ENV_CAPTURE = "DTENSOR_LAUNCH_CAPTURE"
+ENV_PARENT = "DTENSOR_LAUNCH_PARENT"  # "pid@host" of dtlaunch / the RankPool's process
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+# MPICH busy-polls while a rank waits (sched_yield every MPIR_CVAR_POLLS_BEFORE_YIELD=1000 polls,
+# which CFS barely honours). With more ranks than cores the waiters take the cores from the ranks
+# still computing. Measured with launcher/bench_yield.py, 8 ranks on 2 cores, medians of 5-7 runs:
+#                          straggler   waiters' CPU   loop (latency-bound)
+#   default                  2.41 s       3.73 s          0.199 s
+#   CH4_PROGRESS_THROTTLE=1  2.19 s       3.38 s          0.191 s
+#   ENABLE_HEAVY_YIELD=1     1.10 s       0.95 s          0.366 s
+# (straggler: rank 0 computes 0.41 s of work alone while 7 ranks wait in a Barrier; loop: 200 x
+# (64x64 matmul + 16-double Allreduce) on all ranks.) With another job loading the machine:
+# straggler 2.76 -> 2.07 s, waiters' CPU 3.46 -> 1.33 s, loop 0.34 -> 0.50 s. Heavy yield
+# (nanosleep instead of sched_yield) wins where oversubscription hurts: a rank doing the work gets
+# the core back. It costs small-collective latency, so it is applied only when the ranks on a host
+# outnumber its cores. The throttle (usleep(1) after 4096 idle polls) made no real difference.
+OVERSUBSCRIBED_CVARS = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
+
+
+def available_cores() -> int:
+    """Cores this process may run on (CPU affinity, so taskset/cgroup limits count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def apply_rank_env(env: MutableMapping[str, str], local_ranks: int,
+                   cores: int | None = None) -> dict[str, str]:
+    """Fill in per-rank defaults the user did not set: BLAS/OpenMP threads and MPICH yielding.
+
+    Must run before numpy (BLAS reads its thread count when it loads) and before MPI_Init
+    (CVARs are read there). Every variable already present in ``env`` is left alone.
+
+    Args:
+        env: the environment to complete, e.g. ``os.environ`` or a copy passed to mpiexec.
+        local_ranks: ranks sharing this host.
+        cores: cores of this host; defaults to :func:`available_cores`.
+
+    Returns:
+        The variables that were added.
+
+    Example:
+        >>> apply_rank_env({}, local_ranks=4, cores=2)["OMP_NUM_THREADS"]
+        '1'
+    """
+    cores = available_cores() if cores is None else cores
+    added = {var: str(max(1, cores // max(1, local_ranks))) for var in THREAD_VARS}
+    if local_ranks > cores:
+        added.update(OVERSUBSCRIBED_CVARS)
+    added = {k: v for k, v in added.items() if k not in env}
+    env.update(added)
+    return added
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job (torchrun's names)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def _local_ranks_from_env() -> int | None:
+    # Hydra (MPICH) and Open MPI both tell a rank how many ranks share its host, before MPI_Init.
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+def start_rank() -> RankInfo:
+    """Set the rank's environment, initialise MPI and register the launcher's hooks.
+
+    Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; registers faulthandler on SIGUSR1
+    (to ``rank{r}.stack`` in the launch directory, else stderr); records pid and host; makes
+    stdout/stderr line-buffered, so that each line reaches mpiexec in one write and its
+    ``[rank N]`` prefix lands at line starts even under PYTHONUNBUFFERED=1.
+    """
+    local = _local_ranks_from_env()
+    if local is not None:  # dtlaunch already filled these in for a one-host job; hostfiles need it
+        apply_rank_env(os.environ, local)
+    from mpi4py import MPI  # initialises MPI (thread level "multiple", mpi4py's default)
+
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    info = RankInfo(world.Get_rank(), world.Get_size(), node.Get_rank(), node.Get_size())
+    node.Free()
+    os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size),
+                      LOCAL_RANK=str(info.local_rank), LOCAL_WORLD_SIZE=str(info.local_world_size))
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
+    report_dir = os.environ.get(ENV_DIR)
+    if report_dir:
+        global _stack_file  # faulthandler writes to its fd; the file must outlive this call
+        _stack_file = open(os.path.join(report_dir, f"rank{info.rank}.stack"), "a")  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+        _write_atomic(os.path.join(report_dir, f"rank{info.rank}.pid"),
+                      json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    else:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if os.environ.get(ENV_PARENT):
+        _exit_with_launcher(info.rank)
+    return info
+
+
+def _launcher_gone() -> bool:
+    """True once the launcher on this host has exited (False when unknown or remote)."""
+    pid_text, _, host = os.environ.get(ENV_PARENT, "").partition("@")
+    if not pid_text or host != socket.gethostname():  # remote ranks cannot see the launcher
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's (pid reuse): keep going
+        pass
+    return False
+
+
+def _exit_with_launcher(rank: int) -> None:
+    """End this rank (and so, through mpiexec, the job) once the launcher process is gone.
+
+    mpiexec runs in a session of its own, so a launcher killed hard (SIGKILL, a CI timeout)
+    would leave ranks stuck in a collective spinning forever. A thread checks every second.
+    """
+
+    def watch() -> None:
+        while not _launcher_gone():
+            time.sleep(1.0)
+        os.write(2, f"rank {rank}: its launcher is gone; exiting\n".encode())
+        _remove_launch_dir()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dtensor-launcher-watch", daemon=True).start()
+
+
+def _remove_launch_dir() -> None:
+    # Only when the launcher died: it cannot remove its directory any more, so the ranks do.
+    shutil.rmtree(os.environ.get(ENV_DIR) or "/nonexistent", ignore_errors=True)
+
+
+_stack_file = None
+
+
+def _write_atomic(path: str, text: str) -> None:
+    # The launcher polls these files; it must never read a half-written one.
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def _user_tb(exc: BaseException) -> TracebackType | None:
+    """The exception's traceback from the first frame that is neither this file's nor runpy's."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or "runpy" in tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def run_script(info: RankInfo, argv: list[str]) -> None:
+    """Run ``argv[0]`` as ``__main__`` like ``python -m mpi4py``: an uncaught exception aborts.
+
+    With a launch directory the traceback goes to ``rank{r}.err`` (dtlaunch prints it last) and
+    stderr gets a one-line pointer; without one it is printed as usual.
+    """
+    from runpy import run_path
+
+    from mpi4py.run import set_abort_status
+
+    script = argv[0]
+    sys.argv[:] = argv
+    sys.path[0] = os.path.realpath(os.path.dirname(script))  # as `python script.py` would
+    try:
+        run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt) as exc:
+        set_abort_status(exc)  # a non-zero exit on one rank ends every rank (MPI_Abort at exit)
+        raise
+    except BaseException as exc:  # noqa: BLE001  (anything uncaught ends the job, as in mpi4py)
+        set_abort_status(1)
+        report_dir = os.environ.get(ENV_DIR)
+        if not report_dir:  # started by hand: print it here, as python would
+            tb = _user_tb(exc)  # the hook prints exc.__traceback__, so trim that one
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+            raise SystemExit(1) from None
+        text = "".join(traceback.format_exception(type(exc), exc, _user_tb(exc)))
+        report = {"rank": info.rank, "time": time.time(), "type": type(exc).__name__,
+                  "traceback": text}
+        _write_atomic(os.path.join(report_dir, f"rank{info.rank}.err"), json.dumps(report))
+        print(f"dtlaunch: rank {info.rank} raised {type(exc).__name__}; its traceback is printed "
+              "when the job has ended", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def serve(info: RankInfo) -> None:
+    """The RankPool worker loop: connect back to the parent, run tasks until told to stop.
+
+    A task is pickle bytes of ``(parent's sys.path, cloudpickle bytes of (fn, args, kwargs))``;
+    the reply ``("ok", value)`` or ``("err", type_name, traceback, time)``. A ``None`` task or
+    EOF (the parent is gone) ends the loop, and MPI is finalised on the way out.
+    """
+    from multiprocessing.connection import Client
+
+    import cloudpickle
+
+    report_dir = os.environ[ENV_DIR]
+    if os.environ.get(ENV_CAPTURE) == "1":
+        # Ranks must never write into the parent's fds (pytest's capture files): one file each.
+        fd = os.open(os.path.join(report_dir, f"rank{info.rank}.out"),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        for stream, target in ((sys.stdout, 1), (sys.stderr, 2)):
+            stream.flush()
+            os.dup2(fd, target)
+        os.close(fd)
+    authkey = bytes.fromhex(os.environ.pop(ENV_AUTHKEY))
+    conn = Client(os.path.join(report_dir, "pool.sock"), family="AF_UNIX", authkey=authkey)
+    conn.send((info.rank, os.getpid()))
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):  # the parent is gone: nothing left to serve
+            if _launcher_gone():
+                _remove_launch_dir()
+            return
+        reply = _run_task(message)
+        if reply is None:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            payload = cloudpickle.dumps(reply)
+        except Exception as exc:  # noqa: BLE001  (any pickling failure is the task's error)
+            why = f"rank {info.rank}: the return value could not be pickled: {exc!r}\n"
+            payload = cloudpickle.dumps(("err", "PicklingError", why, time.time()))
+        conn.send_bytes(payload)
+
+
+def _run_task(message: bytes) -> tuple | None:
+    import pickle
+
+    import cloudpickle
+
+    try:
+        # Two layers: the parent's sys.path must be in place before the task is unpickled, since
+        # unpickling imports the modules that the function's globals refer to.
+        task = pickle.loads(message)
+        if task is None:
+            return None
+        sys_path, body = task
+        sys.path[:] = sys_path
+        fn, args, kwargs = cloudpickle.loads(body)
+        return ("ok", fn(*args, **kwargs))
+    except BaseException as exc:  # noqa: BLE001  (SystemExit in a task is a failure too)
+        return ("err", type(exc).__name__, _format_task_error(exc), time.time())
+
+
+def _format_task_error(exc: BaseException) -> str:
+    # Leave out this file's frames and any marked `__tracebackhide__ = True` (pytest's
+    # convention, used by the test plugin's wrapper): the report should start at user code.
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename != __file__ and not frame.f_locals.get("__tracebackhide__"):
+            frames.append((frame, tb.tb_lineno))
+        tb = tb.tb_next
+    report = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    report.stack = traceback.StackSummary.extract(iter(frames))
+    return "".join(report.format())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a rank: ``bootstrap.py script.py [args]`` or ``bootstrap.py --worker``."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        sys.exit("usage: bootstrap.py script.py [args ...] | --worker")
+    info = start_rank()
+    if argv == ["--worker"]:
+        serve(info)
+    else:
+        run_script(info, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""One mpiexec job of N ranks: find mpiexec, start it, ask its ranks for stacks, end it completely.
+
+Shared by ``dtlaunch`` (a script on every rank) and :class:`~dtensor.launcher.pool.RankPool`
+(a worker loop on every rank). Hydra (MPICH's mpiexec) puts its proxy and every rank in a
+session of their own, so killing mpiexec's process group would leave the ranks running: ending
+a job means finding its processes (mpiexec's descendants, plus anything carrying this job's
+launch directory in its environment) and killing each.
+"""
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Any
+
+from dtensor.launcher.bootstrap import ENV_DIR, ENV_PARENT, apply_rank_env
+
+BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
+PREFIX_PATTERN = "[rank%r] "  # hydra replaces %r with the rank
+
+
+def find_mpiexec(explicit: str | None = None) -> str:
+    """Locate mpiexec: ``explicit``, else the MPICH wheel's, else one on PATH (with a note).
+
+    Args:
+        explicit: a path or command name given by the user (``--mpiexec``).
+
+    Returns:
+        An absolute path to an executable mpiexec.
+
+    Raises:
+        FileNotFoundError: nothing usable was found; the message lists where it looked.
+
+    Example:
+        >>> find_mpiexec()  # doctest: +SKIP
+        '/work/venv/bin/mpiexec'
+    """
+    if explicit is not None:
+        found = shutil.which(explicit)
+        if found is None:
+            raise FileNotFoundError(f"--mpiexec {explicit!r} is not an executable file; pass the "
+                                    "path of an mpiexec (e.g. /usr/bin/mpiexec) or leave --mpiexec "
+                                    "out to use the one from the mpich wheel")
+        return os.path.abspath(found)
+    # The mpich wheel installs bin/mpiexec into the environment's scripts directory, which is
+    # where sys.executable lives in a venv (do not resolve the symlink: that leaves the venv).
+    candidates = [Path(sys.executable).parent / "mpiexec"]
+    try:
+        candidates += [Path(f.locate()) for f in metadata.files("mpich") or ()
+                       if f.name == "mpiexec"]
+    except metadata.PackageNotFoundError:
+        pass
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path.resolve())
+    system = shutil.which("mpiexec")
+    if system is not None:
+        print(f"dtensor.launcher: the mpich wheel's mpiexec was not found next to "
+              f"{sys.executable}; using {system} from PATH (it must belong to the MPI that mpi4py "
+              "was built against)", file=sys.stderr)
+        return system
+    looked = ", ".join(str(p) for p in candidates) or "(none)"
+    raise FileNotFoundError(f"no mpiexec found (looked at {looked} and on PATH); install MPICH "
+                            "with `pip install mpich` or pass --mpiexec /path/to/mpiexec")
+
+
+def _proc_ppids() -> dict[int, int]:
+    ppids = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # exited while we looked
+                continue
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            ppids[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return ppids
+
+
+_FRAME = re.compile(r'\s*File "(.+)", line (\d+) in ')
+
+
+def _user_frames(stack: str) -> str:
+    """faulthandler's dump without the launcher's own frames (runpy, bootstrap.py), each frame
+    followed by its source line as in a traceback (faulthandler cannot read files)."""
+    lines = stack.splitlines(keepends=True)
+    kept = [line for line in lines
+            if not line.lstrip().startswith(('File "<frozen runpy>"', f'File "{BOOTSTRAP}"'))]
+    if not any(_FRAME.match(line) for line in kept):  # an idle worker: its loop is the story
+        kept = lines
+    out = []
+    for line in kept:
+        out.append(line)
+        frame = _FRAME.match(line)
+        source = linecache.getline(frame[1], int(frame[2])).strip() if frame else ""
+        if source:
+            out.append(f"    {source}\n")
+    return "".join(out)
+
+
+class MpiJob:
+    """``mpiexec -n nproc python bootstrap.py *rank_args`` with a private launch directory.
+
+    Construct, put what the ranks need into :attr:`dir` (the pool's socket), then :meth:`start`.
+
+    Args:
+        nproc: number of ranks.
+        rank_args: arguments of bootstrap.py (a script and its args, or ``["--worker"]``).
+        mpiexec: path of mpiexec (see :func:`find_mpiexec`).
+        hostfile: hydra hostfile; without one every rank is local and the per-rank defaults
+            (threads, yielding) are computed here, else each rank computes its own.
+        prefix: prefix each output line with ``[rankN] `` (hydra's -prepend-pattern).
+        env: extra environment variables for the ranks.
+    """
+
+    def __init__(self, nproc: int, rank_args: Sequence[str], *, mpiexec: str,
+                 hostfile: str | None = None, prefix: bool = True,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.nproc = nproc
+        # Short, private (0700) path: it also holds an AF_UNIX socket (108-byte path limit).
+        self.dir = tempfile.mkdtemp(prefix="dtensor-",
+                                    dir="/tmp" if os.path.isdir("/tmp") else None)
+        self.env = dict(os.environ)
+        self.env.update(env or {})
+        if hostfile is None:
+            apply_rank_env(self.env, local_ranks=nproc)
+        self.env[ENV_DIR] = self.dir
+        self.env[ENV_PARENT] = f"{os.getpid()}@{socket.gethostname()}"  # ranks die with us
+        self.cmd = [mpiexec, "-n", str(nproc)]
+        if hostfile is not None:
+            self.cmd += ["-f", hostfile]
+        if prefix:
+            self.cmd += ["-prepend-pattern", PREFIX_PATTERN]
+        self.cmd += [sys.executable, BOOTSTRAP, *rank_args]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, stdin: Any = subprocess.DEVNULL, stdout: IO[Any] | int | None = None,
+              stderr: IO[Any] | int | None = None) -> None:
+        """Start mpiexec; ``stdin``/``stdout``/``stderr`` as for :class:`subprocess.Popen`."""
+        # A session of its own: the terminal's Ctrl-C reaches the launcher only, which then
+        # decides how to end the job.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdin=stdin, stdout=stdout,
+                                     stderr=stderr, start_new_session=True)
+
+    def path(self, name: str) -> str:
+        """A file in the launch directory."""
+        return os.path.join(self.dir, name)
+
+    def rank_pids(self) -> dict[int, int]:
+        """Pids of the ranks that have started on this host, by rank."""
+        pids = {}
+        host = socket.gethostname()  # as the rank recorded it
+        for rank in range(self.nproc):
+            try:
+                record = json.loads(Path(self.path(f"rank{rank}.pid")).read_text())
+            except (OSError, ValueError):
+                continue
+            if record["host"] == host:
+                pids[rank] = int(record["pid"])
+        return pids
+
+    def dump_stacks(self, wait: float = 3.0) -> dict[int, str]:
+        """Every rank's Python stack, from faulthandler on SIGUSR1, by rank.
+
+        Works while a rank is blocked inside MPI: faulthandler writes from the signal handler.
+        A rank that has not started (or runs on another host) gets a line saying so.
+        """
+        pids = self.rank_pids()
+        start = {r: self.file_size(f"rank{r}.stack") for r in pids}
+        for rank, pid in pids.items():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:  # already gone
+                pass
+        stacks: dict[int, str] = {}
+        deadline = time.monotonic() + wait
+        sizes: dict[int, int] = {}
+        while time.monotonic() < deadline and len(stacks) < len(pids):
+            time.sleep(0.1)
+            for rank in pids:
+                size = self.file_size(f"rank{rank}.stack")
+                # faulthandler writes in many small pieces: done when it stops growing
+                if rank not in stacks and size > start[rank] and sizes.get(rank) == size:
+                    stacks[rank] = _user_frames(self.read(f"rank{rank}.stack", start[rank]))
+                sizes[rank] = size
+        for rank in range(self.nproc):
+            if rank not in stacks:
+                why = "did not answer SIGUSR1" if rank in pids else "has not started on this host"
+                stacks[rank] = f"(no stack: rank {rank} {why})\n"
+        return stacks
+
+    def read(self, name: str, start: int = 0) -> str:
+        """A launch-directory file's text from byte ``start`` ("" if it does not exist yet)."""
+        try:
+            with open(self.path(name), errors="replace") as f:
+                f.seek(start)
+                return f.read()
+        except OSError:
+            return ""
+
+    def file_size(self, name: str) -> int:
+        """Size of a file in the launch directory (0 if it does not exist yet)."""
+        try:
+            return os.path.getsize(self.path(name))
+        except OSError:
+            return 0
+
+    def failures(self) -> list[dict[str, Any]]:
+        """Reports of ranks that raised (rank, time, type, traceback), earliest first."""
+        reports = []
+        for rank in range(self.nproc):
+            try:
+                reports.append(json.loads(Path(self.path(f"rank{rank}.err")).read_text()))
+            except (OSError, ValueError):
+                continue
+        return sorted(reports, key=lambda r: (r["time"], r["rank"]))
+
+    def _job_pids(self) -> list[int]:
+        ppids = _proc_ppids()
+        children: dict[int, list[int]] = {}
+        for pid, ppid in ppids.items():
+            children.setdefault(ppid, []).append(pid)
+        # Walk from mpiexec only while it is unreaped: after wait() its pid may be reused.
+        found: set[int] = set()
+        todo = [self.proc.pid] if self.proc is not None and self.proc.poll() is None else []
+        while todo:
+            pid = todo.pop()
+            found.add(pid)
+            todo += children.get(pid, [])
+        # Processes whose parent already died were re-parented: find them by the launch
+        # directory every process of this job inherited in its environment.
+        marker = f"{ENV_DIR}={self.dir}\0".encode()
+        for pid in ppids.keys() - found:
+            try:
+                if marker in Path(f"/proc/{pid}/environ").read_bytes():
+                    found.add(pid)
+            except OSError:
+                continue
+        return sorted(found - {self.proc.pid if self.proc is not None else -1})
+
+    def kill(self) -> None:
+        """End every process of the job: SIGTERM to mpiexec, then SIGKILL to whatever is left."""
+        if self.proc is not None and self.proc.poll() is None:
+            # hydra passes SIGTERM to every rank on every host and exits (~0.1 s, measured);
+            # ranks busy in MPI calls die of it since Python leaves SIGTERM at its default.
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self._job_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=2)  # hydra notices its ranks are gone and exits by itself
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        """Kill what is left of the job and remove the launch directory."""
+        if (self.proc is not None and self.proc.poll() is None) or self._job_pids():
+            self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)

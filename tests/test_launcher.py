@@ -1,0 +1,276 @@
+"""dtlaunch and spawn against real mpiexec jobs: output, environment, failures, timeouts, orphans.
+
+Each script lives in its own tmp_path, so "no process's command line holds the script's path"
+is the test for orphans. Output goes to a file, not a pipe: a leftover rank holding a pipe open
+would make the test itself hang instead of fail.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from dtensor.launcher import RankError, RankPool, RankTimeoutError, apply_rank_env, spawn
+from dtensor.launcher.bootstrap import available_cores
+
+pytestmark = pytest.mark.timeout(120)
+DTLAUNCH = Path(sys.executable).parent / "dtlaunch"
+
+
+def dtlaunch(tmp_path: Path, source: str, *opts: str, env: dict[str, str] | None = None,
+             limit: float = 60) -> tuple[int, str, float, Path]:
+    """Run ``dtlaunch *opts script`` on ``source``; return (status, output, seconds, script)."""
+    script = tmp_path / "job_script.py"
+    script.write_text(textwrap.dedent(source))
+    log = tmp_path / "dtlaunch.log"
+    cmd = [str(DTLAUNCH), *opts, str(script)]
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+        try:
+            status = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            _kill_survivors(script)
+            pytest.fail(f"dtlaunch {' '.join(opts)} did not end within {limit} s:\n"
+                        f"{log.read_text()}")
+    return status, log.read_text(), time.monotonic() - start, script
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if text.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+def _kill_survivors(script: Path) -> None:
+    for pid in _processes_mentioning(str(script)):
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def assert_no_orphans(script: Path, within: float = 3) -> None:
+    deadline = time.monotonic() + within  # ranks killed by hydra take a moment to be reaped
+    while (left := _processes_mentioning(str(script))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _kill_survivors(script)
+    assert not left, f"processes of the job survived it: {left}"
+
+
+ALLREDUCE = """
+    import os, sys
+    import numpy as np
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    total = np.zeros(1)
+    world.Allreduce(np.array([float(world.rank)]), total)
+    print(f"RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']} "
+          f"LOCAL_RANK={os.environ['LOCAL_RANK']} "
+          f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']} "
+          f"SUM={total[0]:g} ARGS={sys.argv[1:]}")
+"""
+
+
+def test_four_ranks_print_their_env_with_a_rank_prefix(tmp_path: Path) -> None:
+    status, out, _, _ = dtlaunch(tmp_path, ALLREDUCE, "--nproc", "4")
+    assert status == 0, out
+    for r in range(4):
+        assert (f"[rank{r}] RANK={r} WORLD_SIZE=4 LOCAL_RANK={r} LOCAL_WORLD_SIZE=4 SUM=6 "
+                "ARGS=[]") in out.splitlines(), out
+
+
+def test_no_prefix_and_script_args_via_python_m(tmp_path: Path) -> None:
+    script = tmp_path / "job_script.py"
+    script.write_text(textwrap.dedent(ALLREDUCE))
+    proc = subprocess.run([sys.executable, "-m", "dtensor.launcher", "--nproc", "2", "--no-prefix",
+                           str(script), "--lr", "3"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = sorted(proc.stdout.splitlines())
+    assert lines == [f"RANK={r} WORLD_SIZE=2 LOCAL_RANK={r} LOCAL_WORLD_SIZE=2 SUM=1 "
+                     "ARGS=['--lr', '3']" for r in range(2)], proc.stdout
+
+
+def test_a_raising_rank_ends_the_job_and_its_traceback_is_printed_once_last(tmp_path: Path) -> None:
+    status, out, seconds, script = dtlaunch(tmp_path, """
+        import time
+        from mpi4py import MPI
+
+        def fail_on_rank_two():
+            if MPI.COMM_WORLD.rank == 2:
+                time.sleep(0.2)
+                raise ValueError("rank two is broken")
+            MPI.COMM_WORLD.Barrier()   # the others wait here for rank 2 forever
+
+        fail_on_rank_two()
+    """, "--nproc", "4")
+    assert status != 0 and seconds < 15, (status, seconds, out)
+    assert out.count("Traceback (most recent call last)") == 1, out
+    assert out.count('raise ValueError("rank two is broken")') == 1, out
+    tail = out[out.index("Traceback (most recent call last)"):].splitlines()
+    assert "ValueError: rank two is broken" in tail and "fail_on_rank_two" in "\n".join(tail)
+    assert "rank 2" in tail[-1] and "ValueError" in tail[-1], tail[-1]
+    assert_no_orphans(script)
+
+
+def test_a_killed_rank_ends_the_job_without_orphans(tmp_path: Path) -> None:
+    status, out, seconds, script = dtlaunch(tmp_path, """
+        import os, time
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank == 1:
+            time.sleep(0.2)
+            os.kill(os.getpid(), 9)
+        MPI.COMM_WORLD.Barrier()
+    """, "--nproc", "3")
+    assert status != 0 and seconds < 15, (status, seconds, out)
+    assert out.splitlines()[-1].startswith("dtlaunch: job failed"), out
+    assert_no_orphans(script)
+
+
+def test_timeout_prints_every_rank_stack_and_exits_124(tmp_path: Path) -> None:
+    status, out, seconds, script = dtlaunch(tmp_path, """
+        import numpy as np
+        from mpi4py import MPI
+
+        def wait_for_a_message_never_sent():
+            if MPI.COMM_WORLD.rank == 0:
+                MPI.COMM_WORLD.Recv(np.zeros(1), source=1)
+            MPI.COMM_WORLD.Barrier()
+
+        wait_for_a_message_never_sent()
+    """, "--nproc", "3", "--timeout", "3")
+    assert status == 124 and seconds < 10, (status, seconds, out)
+    sections = out.split("--- rank ")[1:]
+    assert [s.split(" ", 1)[0] for s in sections] == ["0", "1", "2"], out
+    for section in sections:
+        assert "wait_for_a_message_never_sent" in section, out
+    assert "MPI.COMM_WORLD.Recv(np.zeros(1), source=1)" in sections[0]  # source lines too
+    assert_no_orphans(script)
+
+
+def test_killing_dtlaunch_hard_ends_its_job(tmp_path: Path) -> None:
+    script = tmp_path / "job_script.py"
+    script.write_text("from mpi4py import MPI\nif MPI.COMM_WORLD.rank == 0:\n"
+                      "    MPI.COMM_WORLD.recv(source=1)\nMPI.COMM_WORLD.Barrier()\n")
+    launcher = subprocess.Popen([str(DTLAUNCH), "--nproc", "2", str(script)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while len(_processes_mentioning(str(script))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)  # dtlaunch's mpiexec and both ranks are up
+    launcher.kill()  # SIGKILL: dtlaunch cannot clean up; the ranks must notice by themselves
+    launcher.wait()
+    assert_no_orphans(script, within=8)
+
+
+def test_eight_ranks_on_few_cores_complete(tmp_path: Path) -> None:
+    status, out, seconds, _ = dtlaunch(tmp_path, """
+        import os
+        import numpy as np
+        from mpi4py import MPI
+
+        a, out = np.eye(32), np.zeros(8)
+        for _ in range(200):
+            a = np.tanh(a @ a.T * 0.5)
+            MPI.COMM_WORLD.Allreduce(a[0, :8].copy(), out)
+        print("heavy_yield", os.environ.get("MPIR_CVAR_ENABLE_HEAVY_YIELD"))
+    """, "--nproc", "8")
+    assert status == 0 and seconds < 45, (status, seconds, out)
+    expected = "1" if available_cores() < 8 else "None"
+    assert out.count(f"heavy_yield {expected}") == 8, out
+
+
+def test_thread_counts_per_rank_unless_set(tmp_path: Path) -> None:
+    status, out, _, _ = dtlaunch(tmp_path, """
+        import os
+        print(*(os.environ.get(v) for v in
+                ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")))
+    """, "--nproc", "4", env={"OPENBLAS_NUM_THREADS": "3"})
+    assert status == 0, out
+    per_rank = str(max(1, available_cores() // 4))  # 2 cores, 4 ranks -> 1
+    assert out.count(f"{per_rank} 3 {per_rank}") == 4, out
+
+
+def test_rank_env_policy() -> None:
+    added = apply_rank_env({}, local_ranks=4, cores=2)
+    assert added["OMP_NUM_THREADS"] == added["MKL_NUM_THREADS"] == "1"
+    assert added["MPIR_CVAR_ENABLE_HEAVY_YIELD"] == "1"  # 4 ranks > 2 cores
+    env = {"OMP_NUM_THREADS": "7"}
+    added = apply_rank_env(env, local_ranks=2, cores=16)
+    assert env["OMP_NUM_THREADS"] == "7" and added == {"OPENBLAS_NUM_THREADS": "8",
+                                                       "MKL_NUM_THREADS": "8"}
+
+
+@pytest.mark.parametrize("opts, words", [
+    (["--nproc", "0", "x.py"], ["--nproc", "got 0"]),
+    (["--nproc", "2", "does_not_exist.py"], ["does_not_exist.py", "does not exist"]),
+    (["--nproc", "2", "--mpiexec", "/no/such/mpiexec", __file__], ["/no/such/mpiexec"]),
+])
+def test_usage_errors_say_what_and_how_to_fix(opts: list[str], words: list[str]) -> None:
+    proc = subprocess.run([str(DTLAUNCH), *opts], capture_output=True, text=True, timeout=30,
+                          check=False)
+    assert proc.returncode == 2 and all(w in proc.stderr for w in words), proc.stderr
+
+
+def test_spawn_runs_lambdas_and_closures() -> None:
+    assert spawn(lambda: int(os.environ["RANK"]) * 10, 3) == [0, 10, 20]
+    offset = 5
+
+    def allreduce_plus_offset(scale: int) -> float:
+        import numpy as np
+        from mpi4py import MPI
+
+        total = np.zeros(1)
+        MPI.COMM_WORLD.Allreduce(np.array([float(MPI.COMM_WORLD.rank * scale)]), total)
+        return float(total[0]) + offset
+
+    assert spawn(allreduce_plus_offset, 2, 3, timeout=30) == [8.0, 8.0]
+
+
+def test_spawn_raises_rank_error_naming_the_rank() -> None:
+    def fail_on_rank_one() -> int:
+        rank = int(os.environ["RANK"])
+        if rank == 1:
+            raise KeyError("missing on rank one")
+        return rank
+
+    with pytest.raises(RankError) as info:
+        spawn(fail_on_rank_one, 2, timeout=30)
+    assert info.value.rank == 1
+    assert "rank 1 of 2 raised KeyError" in str(info.value)
+    assert "fail_on_rank_one" in info.value.traceback
+    assert 'raise KeyError("missing on rank one")' in str(info.value)
+
+
+def test_pool_is_reused_and_replaced_after_a_timeout() -> None:
+    def stuck_unless_rank_zero() -> None:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank == 0:
+            MPI.COMM_WORLD.recv(source=1)
+
+    with RankPool(2, capture=True) as pool:
+        first = pool.run(os.getpid)
+        assert pool.run(os.getpid) == first  # same processes: the pool was reused
+        with pytest.raises(RankTimeoutError) as info:
+            pool.run(stuck_unless_rank_zero, timeout=2)
+        assert set(info.value.stacks) == {0, 1}
+        assert "stuck_unless_rank_zero" in info.value.stacks[0]
+        assert not pool.alive
+        assert pool.run(lambda: int(os.environ["RANK"])) == [0, 1]  # a new job
+        assert pool.run(os.getpid) != first

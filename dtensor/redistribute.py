@@ -78,6 +78,9 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
     def shards(d, below):  # mesh dims > below that currently shard tensor dim d
         return [m for m in range(below + 1, nd) if cur[m] == Shard(d)]
 
+    def settled_outer(d, m):  # no outer mesh dim still has to split or unsplit tensor dim d
+        return all((cur[o] == Shard(d)) == (tgt[o] == Shard(d)) for o in range(m))
+
     # 1. Undo shards, innermost mesh dim first. A shard of the same tensor dim that changes on
     #    an outer mesh dim forces this inner one to be gathered too (outer dims split first).
     for m in reversed(range(nd)):
@@ -89,7 +92,8 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
             continue
         group = mesh.get_group(m)
         d = p.dim
-        if isinstance(tgt[m], Shard) and not outer_changes and not shards(tgt[m].dim, m):
+        if (isinstance(tgt[m], Shard) and not outer_changes and not shards(tgt[m].dim, m)
+                and settled_outer(tgt[m].dim, m)):
             j = tgt[m].dim
             ext_d = dim_extent(shape, cur, mesh.shape, coord, d, m)
             ext_j = dim_extent(shape, cur, mesh.shape, coord, j, m)
@@ -113,8 +117,7 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
             continue
         group = mesh.get_group(m)
         t = tgt[m]
-        if isinstance(t, Shard) and not shards(t.dim, m) and not any(
-                cur[o] == t for o in range(m)):
+        if isinstance(t, Shard) and not shards(t.dim, m) and settled_outer(t.dim, m):
             ext = dim_extent(shape, cur, mesh.shape, coord, t.dim, m)
             sizes = [shard_size_and_offset(ext, group.size, r)[0] for r in range(group.size)]
             local = group.reduce_scatter(local, op=p.reduce_op, axis=t.dim, sizes=sizes)

@@ -250,6 +250,8 @@ def _linear_candidates(op, avals, current):
 
 
 def _candidates(op, avals, params, out, current, mesh_size):
+    """Candidates on one mesh dim. ``mesh_size`` is the number of pieces the sharded dims are
+    cut into (for reshape: the product over every mesh dim sharding that tensor dim)."""
     kind = op.shard
     if kind == "reduce":
         cands = _reduce(avals, params, out, op.name)
@@ -293,8 +295,12 @@ def propagate(op, avals, params, placements, out, mesh) -> Strategy:
     for m in range(mesh.ndim):
         n = mesh.shape[m]
         current = [None if p is None else p[m] for p in placements]
+        pieces = n
+        if op.shard == "reshape" and isinstance(current[0], Shard):
+            pieces = int(np.prod([mesh.shape[k] for k, p in enumerate(placements[0])
+                                  if p == current[0]]))
         best, best_cost = None, (float("inf"), 0)
-        for cand_in, cand_out in _candidates(op, avals, params, out, current, n):
+        for cand_in, cand_out in _candidates(op, avals, params, out, current, pieces):
             # (bytes moved, inputs that change placement): free re-layouts (R -> S) lose ties
             # to keeping every input where it is.
             moved, changed, follows, introduces = 0.0, 0, False, False

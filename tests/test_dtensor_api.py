@@ -158,3 +158,41 @@ def test_bad_input_is_clear_and_raised_on_every_rank(rank):
         DTensor.from_local(local, mesh, [Shard(0)], shape=(4, 3), run_check=True)
     with pytest.raises(TypeError, match="no single numpy array"):
         d.numpy()
+
+
+@pytest.mark.ranks(2)
+def test_flattening_views_keep_shards_or_say_why(rank):
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    a = np.arange(4 * 6 * 3.0).reshape(4, 6, 3)  # (B, T, C)
+    b0 = distribute_tensor(a, mesh, [Shard(0)])
+    with count_collectives() as log:
+        flat = b0.reshape(24, 3)
+    assert log.count() == 0 and flat.placements == (Shard(0),)
+    np.testing.assert_array_equal(flat.full_tensor().numpy(), a.reshape(24, 3))
+    t1 = distribute_tensor(a, mesh, [Shard(1)])
+    with pytest.raises(ValueError, match=r"cannot keep tensor dim 1 sharded.*Redistribute first"):
+        t1.reshape(24, 3)  # rows of a T-shard are not a contiguous block of B*T
+    heads = distribute_tensor(a, mesh, [Shard(2)]).reshape(4, 6, 3, 1)  # a split, no data moved
+    assert heads.placements == (Shard(2),)
+
+
+@pytest.mark.ranks(2)
+def test_distribute_module_and_debug_log(rank, capsys, monkeypatch):
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    dtensor.manual_seed(0)
+    lin = dtensor.nn.Linear(4, 6)
+
+    def partition(name, module, mesh):
+        if isinstance(module, dtensor.nn.Linear):
+            module.weight = dtensor.nn.Parameter(distribute_tensor(module.weight.detach(), mesh,
+                                                                   [Shard(0)]))
+    dtensor.distribute_module(lin, mesh, partition,
+                              input_fn=lambda m, args, mesh: tuple(
+                                  DTensor.from_local(a, mesh, [Replicate()]) for a in args))
+    assert lin.weight.placements == (Shard(0),) and lin.bias.placements == (Replicate(),)
+    assert [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
+    monkeypatch.setenv("DTENSOR_DEBUG", "1")
+    out = lin(dtensor.ones(2, 4))
+    out.full_tensor()
+    printed = capsys.readouterr().out
+    assert ("redistribute (2, 6) float32: [S(1)] -> [R]" in printed) == (rank == 0), printed

@@ -76,12 +76,16 @@ class Module:
         if "_parameters" not in self.__dict__:
             raise AttributeError(f"cannot assign {name!r} before Module.__init__() is called; "
                                  f"call super().__init__() first in {type(self).__name__}.")
+        is_param = isinstance(value, Parameter) or getattr(value, "_is_param", False)
         if name in self._buffers and (value is None or isinstance(value, TensorMethods)):
             self._buffers[name] = value  # reassigning a buffer keeps it registered
             return
+        if name in self._parameters and (value is None or is_param):
+            self._parameters[name] = value  # in place: parameter order stays as declared
+            return
         for table in (self._parameters, self._buffers, self._modules):
             table.pop(name, None)
-        if isinstance(value, Parameter) or getattr(value, "_is_param", False):
+        if is_param:
             self._parameters[name] = value
         elif isinstance(value, Module):
             self._modules[name] = value

@@ -33,7 +33,7 @@ def _time(fn, iters: int) -> float:
     return (time.perf_counter() - t) / iters
 
 
-def run(repeats: int = 7) -> list[dict]:
+def run(repeats: int = 9) -> list[dict]:
     from mpi4py import MPI
 
     from dtensor.comm import get_world
@@ -66,9 +66,10 @@ def run(repeats: int = 7) -> list[dict]:
             times = [[] for _ in paths]
             for f in paths:
                 f()  # warm up every path
-            for _ in range(repeats):  # interleaved, so drift on a shared machine hits all alike
-                for f, ts in zip(paths, times):
-                    ts.append(_time(f, iters))
+            for rep in range(repeats):  # interleaved, rotating which path goes first, so drift
+                for j in range(len(paths)):  # and cache warmth on a shared machine hit all alike
+                    k = (j + rep) % len(paths)
+                    times[k].append(_time(paths[k], iters))
             fresh, reused, mpi = (statistics.median(ts) for ts in times)
             nbytes = full.nbytes
             rows.append({

@@ -16,6 +16,7 @@ Example (run under ``dtlaunch --nproc 2``):
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from contextlib import contextmanager
@@ -117,15 +118,25 @@ def _done(value) -> Work:
 
 # ----------------------------------------------------------------------------- Comm
 
+_MPI = None
+
+
 def _mpi():
-    from mpi4py import MPI  # imported on first use: single-process dtensor never starts MPI
-    return MPI
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI  # imported on first use: single-process dtensor never starts MPI
+        _MPI = MPI
+    return _MPI
+
+
+# Checked per call: a set of dtype objects (dtype.name is a slow property on the hot path).
+_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int8", "int16",
+                                          "int32", "int64", "uint8", "bool"))
 
 
 def _contig(x) -> np.ndarray:
     x = np.asarray(x)
-    if x.dtype.name not in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
-                            "uint8", "bool"):
+    if x.dtype not in _DTYPES:
         raise TypeError(f"collectives take numeric numpy arrays, got dtype {x.dtype}.")
     # (np.ascontiguousarray would turn a 0-d array into a 1-d one.)
     return x if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(x.shape)
@@ -138,6 +149,15 @@ def _out(out, shape, dtype, what: str) -> np.ndarray:
         raise ValueError(f"{what}: out must be a C-contiguous {np.dtype(dtype)} array of shape "
                          f"{tuple(shape)}, got {out.dtype} {out.shape}.")
     return out
+
+
+_REDUCE: dict = {}
+
+
+def _reduce_table() -> dict:
+    MPI = _mpi()
+    _REDUCE.update(sum=MPI.SUM, avg=MPI.SUM, max=MPI.MAX, min=MPI.MIN)
+    return _REDUCE
 
 
 def _even_sizes(total: int, n: int, what: str) -> list[int]:
@@ -176,8 +196,7 @@ class Comm:
     def _op(self, op: str):
         if op not in REDUCE_OPS:
             raise ValueError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}.")
-        MPI = _mpi()
-        return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+        return _REDUCE[op] if _REDUCE else _reduce_table()[op]
 
     def _agree(self, what: str, mine: tuple) -> None:
         """With DTENSOR_COMM_CHECK=1: every rank checks that its peers passed matching buffers.
@@ -185,7 +204,7 @@ class Comm:
         One small allgather of (dtype, shape) per collective; a mismatch raises on every rank
         (instead of corrupting data or hanging inside MPI).
         """
-        if not self._check or self.size == 1:
+        if self.size == 1:
             return
         theirs = self._c.allgather(mine)
         if any(t != theirs[0] for t in theirs):
@@ -209,9 +228,10 @@ class Comm:
         """
         x = _contig(x)
         mpi_op = self._op(op)
-        if op == "avg" and not np.issubdtype(x.dtype, np.floating):
+        if op == "avg" and x.dtype.kind != "f":
             raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {x.dtype}.")
-        self._agree("all_reduce", (str(x.dtype), x.shape, op))
+        if self._check:
+            self._agree("all_reduce", (str(x.dtype), x.shape, op))
         self._record("all_reduce", x.nbytes, x.dtype)
         out = _out(out, x.shape, x.dtype, "all_reduce")
         if async_op:
@@ -232,9 +252,10 @@ class Comm:
         axis %= max(x.ndim, 1)
         sizes = [x.shape[axis]] * self.size if sizes is None else [int(s) for s in sizes]
         self._check_sizes("all_gather", sizes, x.shape[axis])
-        self._agree("all_gather", (str(x.dtype), x.shape[:axis] + x.shape[axis + 1:]))
+        if self._check:
+            self._agree("all_gather", (str(x.dtype), x.shape[:axis] + x.shape[axis + 1:]))
         front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
-        row = int(np.prod(front.shape[1:]))
+        row = math.prod(front.shape[1:])
         if out is not None and axis:
             raise ValueError("all_gather(out=...) needs axis=0; gather along dim 0 and move it.")
         out = _out(out, (sum(sizes),) + front.shape[1:], x.dtype, "all_gather")
@@ -271,10 +292,11 @@ class Comm:
         if sum(sizes) != x.shape[axis] or len(sizes) != self.size:
             raise ValueError(f"reduce_scatter: sizes {sizes} must have one entry per rank "
                              f"({self.size}) and add up to dim {axis} of size {x.shape[axis]}.")
-        self._agree("reduce_scatter", (str(x.dtype), x.shape, op))
+        if self._check:
+            self._agree("reduce_scatter", (str(x.dtype), x.shape, op))
         self._record("reduce_scatter", x.nbytes, x.dtype)
         front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
-        row = int(np.prod(front.shape[1:]))
+        row = math.prod(front.shape[1:])
         if out is not None and axis:
             raise ValueError("reduce_scatter(out=...) needs axis=0.")
         out = _out(out, (sizes[self.rank],) + front.shape[1:], x.dtype, "reduce_scatter")
@@ -313,7 +335,8 @@ class Comm:
             raise ValueError(f"all_to_all: split_sizes {split_sizes} must have one entry per "
                              f"rank and add up to {x.shape[split_axis]}.")
         self._check_sizes("all_to_all", concat_sizes, x.shape[concat_axis])
-        self._agree("all_to_all", (str(x.dtype), x.ndim, split_sizes))
+        if self._check:
+            self._agree("all_to_all", (str(x.dtype), x.ndim, split_sizes))
         self._record("all_to_all", x.nbytes, x.dtype)
         starts = np.cumsum([0] + split_sizes).tolist()
         blocks = [np.take(x, range(starts[j], starts[j + 1]), axis=split_axis)
@@ -346,7 +369,8 @@ class Comm:
         """Rank ``src``'s ``x`` on every rank (others pass an array of the same shape/dtype)."""
         self._check_rank("broadcast", src)
         x = _contig(x)
-        self._agree("broadcast", (str(x.dtype), x.shape))
+        if self._check:
+            self._agree("broadcast", (str(x.dtype), x.shape))
         self._record("broadcast", x.nbytes, x.dtype)
         out = x.copy()
         if async_op:

@@ -511,17 +511,20 @@ def _template(shape) -> Tensor:
     return Tensor._wrap(np.broadcast_to(np.empty((), np.bool_), shape))
 
 
+def _random(op, shape, dtype, requires_grad, device_mesh, placements):
+    if device_mesh is not None or placements is not None:
+        return _distributed(op.name, *shape, dtype=dtype, requires_grad=requires_grad,
+                            device_mesh=device_mesh, placements=placements)
+    out = op(_template(_shape_arg(shape)), key=random.next_key(), dtype=_factory_dtype(dtype))
+    return out.requires_grad_() if requires_grad else out
+
+
 def rand(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
     """Uniform [0, 1) from the counter-based generator: element i depends only on (seed, call, i).
 
     With ``device_mesh=`` and ``placements=`` a DTensor holding exactly the same numbers.
     """
-    if device_mesh is not None or placements is not None:
-        return _distributed("rand", *shape, dtype=dtype, requires_grad=requires_grad,
-                            device_mesh=device_mesh, placements=placements)
-    out = st.rand(_template(_shape_arg(shape)), key=random.next_key(),
-                  dtype=_factory_dtype(dtype))
-    return out.requires_grad_() if requires_grad else out
+    return _random(st.rand, shape, dtype, requires_grad, device_mesh, placements)
 
 
 def randn(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
@@ -529,12 +532,7 @@ def randn(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, pla
 
     With ``device_mesh=`` and ``placements=`` a DTensor holding exactly the same numbers.
     """
-    if device_mesh is not None or placements is not None:
-        return _distributed("randn", *shape, dtype=dtype, requires_grad=requires_grad,
-                            device_mesh=device_mesh, placements=placements)
-    out = st.randn(_template(_shape_arg(shape)), key=random.next_key(),
-                   dtype=_factory_dtype(dtype))
-    return out.requires_grad_() if requires_grad else out
+    return _random(st.randn, shape, dtype, requires_grad, device_mesh, placements)
 
 
 def cat(tensors: Sequence, dim: int = 0):

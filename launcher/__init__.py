@@ -8,8 +8,8 @@
 
 Layout: ``bootstrap.py`` runs inside each rank (environment, MPI start-up, failure reports, the
 pool's worker loop); ``job.py`` starts and ends one mpiexec job; ``pool.py`` keeps ranks alive
-between function calls (``RankPool``, ``spawn``); ``cli.py`` is ``dtlaunch``; ``bench_yield.py``
-measures MPICH's waiting with more ranks than cores.
+between function calls (``RankPool``, ``spawn``); ``cli.py`` is ``dtlaunch``.
+benchmarks/oversubscription.py measures MPICH's waiting with more ranks than cores.
 """
 from __future__ import annotations
 

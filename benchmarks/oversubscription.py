@@ -1,6 +1,6 @@
 """How MPICH's waiting behaves with more ranks than cores; the numbers behind OVERSUBSCRIBED_CVARS.
 
-    python launcher/bench_yield.py [--nproc 8] [--reps 5]
+    python benchmarks/oversubscription.py [--nproc 8] [--reps 5]
 
 For each CVAR setting, runs two jobs of ``--nproc`` ranks and prints one JSON line of medians:
 - ``loop_s``: 200 x (64x64 matmul + tanh, 16-double Allreduce) on every rank: latency-bound.

@@ -46,7 +46,9 @@ __version__ = "0.1.0"
 __all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like", "ones_like",
            "arange", "rand", "randn", "cat", "where", "matmul", "no_grad", "enable_grad",
            "is_grad_enabled", "manual_seed", "initial_seed", "float16", "float32", "float64",
-           "int32", "int64", "bool_"]
+           "int32", "int64", "bool_", "nn", "optim", "Shard", "Replicate", "Partial", "DTensor",
+           "DeviceMesh", "init_device_mesh", "distribute_tensor", "distribute_module",
+           "implicit_replication", "visualize_sharding"]
 
 from dtensor import nn, optim  # noqa: E402  (after the core they build on)
 from dtensor.placements import Partial, Replicate, Shard  # noqa: E402

@@ -469,7 +469,8 @@ def _distributed(name, *args, **kwargs):
 
 
 def zeros(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
-    """Zeros; with ``device_mesh=`` and ``placements=`` a DTensor (each rank allocates its block)."""
+    """Zeros; with ``device_mesh=`` and ``placements=``, a DTensor (each rank allocates its
+    block)."""
     if device_mesh is not None or placements is not None:
         return _distributed("zeros", *shape, dtype=dtype, requires_grad=requires_grad,
                             device_mesh=device_mesh, placements=placements)

@@ -40,7 +40,8 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 # MPICH busy-polls while a rank waits (sched_yield every MPIR_CVAR_POLLS_BEFORE_YIELD=1000 polls,
 # which CFS barely honours). With more ranks than cores the waiters take the cores from the ranks
-# still computing. Measured with benchmarks/oversubscription.py, 8 ranks on 2 cores, medians of 5-7 runs:
+# still computing. Measured with benchmarks/oversubscription.py, 8 ranks on 2 cores, medians of
+# 5-7 runs:
 #                          straggler   waiters' CPU   loop (latency-bound)
 #   default                  2.41 s       3.73 s          0.199 s
 #   CH4_PROGRESS_THROTTLE=1  2.19 s       3.38 s          0.191 s

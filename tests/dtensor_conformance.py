@@ -22,7 +22,8 @@ from test_ops import SAMPLES
 # Ops whose result is meant to differ from the one-process run, with the reason.
 NOT_COMPARED = {}
 
-MAX_COMBOS_2D = 256  # per sample on a 2-d mesh; beyond it a deterministic subset (4-input ops: 16^4)
+# Per sample on a 2-d mesh; beyond it a deterministic subset (a 4-input op has 16^4 combinations).
+MAX_COMBOS_2D = 256
 
 
 def _options(a, op, k):

@@ -13,7 +13,8 @@ rng = np.random.default_rng(7)
 def test_operators_match_numpy():
     a, b = rng.standard_normal((3, 4)), rng.standard_normal((4,))
     x, y = Tensor(a), Tensor(b)
-    for got, want in [(x + y, a + b), (x - y, a - b), (x * y, a * b), (x / (y * y + 1), a / (b * b + 1)),
+    for got, want in [(x + y, a + b), (x - y, a - b), (x * y, a * b),
+                      (x / (y * y + 1), a / (b * b + 1)),
                       (-x, -a), (2.0 - x, 2.0 - a), (3.0 / (x * x + 1), 3.0 / (a * a + 1)),
                       (x.abs() ** 1.5, np.abs(a) ** 1.5),
                       (x @ x.T, a @ a.T), (x.T @ x, a.T @ a), (x @ y, a @ b),

@@ -4,6 +4,7 @@ from dtensor.nn.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
 from dtensor.nn.layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, RMSNorm
 from dtensor.nn.module import Module, ModuleList, Parameter, Sequential
 
-__all__ = ["functional", "utils", "Module", "ModuleList", "Sequential", "Parameter", "Linear", "Embedding",
+__all__ = ["functional", "utils", "Module", "ModuleList", "Sequential", "Parameter", "Linear",
+           "Embedding",
            "LayerNorm", "RMSNorm", "Dropout", "GELU", "ReLU", "CausalSelfAttention", "MLP",
            "Block", "GPT", "GPTConfig"]

@@ -158,7 +158,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 
     ``attn_mask`` is boolean (True = may attend) or additive float, broadcastable to (..., L, S).
     """
-    L, S = query.shape[-2], key.shape[-2]
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"scaled_dot_product_attention: query dim {query.shape[-1]} != key dim "
                          f"{key.shape[-1]} (shapes {tuple(query.shape)}, {tuple(key.shape)}).")

@@ -18,7 +18,7 @@ _BLOCK_BYTES = 1 << 18
 
 
 def run_rows(kernel, rows: int, row_bytes: int) -> None:
-    """Call ``kernel(lo, hi)`` for consecutive row ranges of about _BLOCK_BYTES covering ``rows``."""
+    """Call ``kernel(lo, hi)`` over consecutive row ranges of ~_BLOCK_BYTES covering ``rows``."""
     per = max(1, _BLOCK_BYTES // max(row_bytes, 1))
     for lo in range(0, rows, per):
         kernel(lo, min(lo + per, rows))

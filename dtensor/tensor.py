@@ -451,7 +451,8 @@ def tensor(data, dtype=None, requires_grad: bool = False) -> Tensor:
 
 
 def as_tensor(x, dtype=None) -> Tensor:
-    if isinstance(x, Tensor) and (dtype is None or resolve_dtype(dtype) == x.dtype):
+    """``x`` itself if it is already a tensor (Tensor or DTensor) of ``dtype``, else a Tensor."""
+    if isinstance(x, TensorMethods) and (dtype is None or resolve_dtype(dtype) == x.dtype):
         return x
     return Tensor(x, dtype=dtype)
 

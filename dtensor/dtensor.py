@@ -352,10 +352,15 @@ def _param_key(params):
     return tuple(sorted(params.items()))
 
 
+def _convert(args):
+    """Plain tensors among a DTensor op's inputs: Replicate under implicit_replication(), else a
+    TypeError that says how to fix it."""
+    mesh = next(a._spec.mesh for a in args if isinstance(a, DTensor))
+    return tuple(_as_arg(a, mesh) for a in args)
+
+
 def _interpret(op: Op, args, params):
     mesh = next(a._spec.mesh for a in args if isinstance(a, DTensor))
-    if any(not isinstance(a, (DTensor, int, float, bool)) for a in args):
-        args = tuple(_as_arg(a, mesh) for a in args)
     key = (op, tuple(a._spec if isinstance(a, DTensor) else (type(a), a == 0) for a in args),
            _param_key(params))
     entry = _CACHE.get(key)
@@ -498,7 +503,7 @@ _LOCAL = {"index_select": _index_select_local, "index_add": _index_add_local,
           "rand": _rand_local,
           "randn": _randn_local}
 
-registry.register_interpreter(DTensor, _interpret)
+registry.register_interpreter(DTensor, _interpret, _convert)
 
 
 # ----------------------------------------------------------------------------- construction

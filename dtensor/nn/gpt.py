@@ -140,7 +140,9 @@ class GPT(Module):
             for _ in range(max_new_tokens):
                 ctx = idx[:, -self.config.block_size:]
                 logits, _ = self(ctx)
-                logits = logits[:, -1, :].numpy().astype(np.float64) / max(temperature, 1e-8)
+                last = logits[:, -1, :]
+                last = last.full_tensor() if hasattr(last, "full_tensor") else last
+                logits = last.numpy().astype(np.float64) / max(temperature, 1e-8)
                 if top_k is not None:
                     kth = np.sort(logits, axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]
                     logits = np.where(logits < kth, -np.inf, logits)

@@ -91,25 +91,40 @@ _EAGER: set[type] = set()
 _wrap: Callable[[np.ndarray], Any] = None  # type: ignore[assignment]
 
 
-def register_interpreter(cls: type, interpret: Callable) -> None:
+# type -> convert(args): makes the other tensors of an op the interpreter's type (or raises),
+# before the op runs and before autograd records it, so the backward sees the same inputs.
+_CONVERTERS: dict[type, Callable] = {}
+
+
+def register_interpreter(cls: type, interpret: Callable, convert: Callable | None = None) -> None:
     _INTERPRETERS[cls] = interpret
+    if convert is not None:
+        _CONVERTERS[cls] = convert
 
 
 def apply(op: Op, *args, **params):
     """Run ``op`` on ``args`` under the interpretation their types select, recording autograd."""
-    interp = None
+    interp = convert = None
     needs_grad = False
     grad_on = autograd._state.enabled
     eager = _EAGER
+    mixed = False
     for a in args:
         t = type(a)
         if t in eager:
+            mixed = True
             if grad_on and a.requires_grad:
                 needs_grad = True
         elif t in _INTERPRETERS:
             interp = _INTERPRETERS[t]
+            if t in _CONVERTERS:
+                convert = _CONVERTERS[t]
             if grad_on and a.requires_grad:
                 needs_grad = True
+        elif isinstance(a, np.ndarray):
+            mixed = True
+    if interp is not None and mixed and convert is not None:
+        args = convert(args)
     if interp is None:
         arrays = [a.data if type(a) in eager else a for a in args]
         try:

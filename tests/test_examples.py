@@ -1,0 +1,39 @@
+"""The examples run and check themselves: under dtlaunch they reach the one-process numbers."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTLAUNCH = [sys.executable, "-m", "dtensor.launcher"]
+SMALL = ["--steps", "6", "--eval-every", "0", "--sample-chars", "5", "--corpus-chars", "200000",
+         "--n-layer", "2", "--n-embd", "64"]
+
+
+def run(cmd, timeout=240):
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return out.returncode, out.stdout + out.stderr
+
+
+def losses(text):
+    return [float(x) for x in re.findall(r"loss (\d+\.\d+)  lr", text)]
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_training_matches_one_process():
+    _, one = run([sys.executable, "examples/train.py", *SMALL])
+    _, two = run([*DTLAUNCH, "--nproc", "2", "examples/train.py", *SMALL])
+    ref, dp = losses(one), losses(two)
+    assert ref and len(ref) == len(dp), (one[-2000:], two[-2000:])
+    assert dp == pytest.approx(ref, rel=1e-5), (ref, dp)
+
+
+@pytest.mark.timeout(120)
+def test_tensor_parallel_mlp_example():
+    rc, out = run([*DTLAUNCH, "--nproc", "4", "examples/tp_mlp.py"])
+    assert rc == 0, out[-3000:]
+    assert "max |parameter difference|" in out

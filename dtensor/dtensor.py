@@ -365,6 +365,8 @@ def _interpret(op: Op, args, params):
            _param_key(params))
     entry = _CACHE.get(key)
     if entry is None:
+        if len(_CACHE) > 8192:  # params such as a scheduled learning rate change every step
+            _CACHE.clear()
         entry = _CACHE[key] = _plan(op, args, params, mesh)
     targets, out_spec, local_params, fn = entry
     locals_ = [a._local_as(t) if t is not None else a for a, t in zip(args, targets)]

@@ -291,9 +291,7 @@ _TO_LOCAL = Op("to_local", impl=None, abstract=None, linearity="all",
                    x._spec, dtype=g.dtype)),))
 _FROM_LOCAL = Op("from_local", impl=None, abstract=None, linearity="all",
                  vjp=lambda g, out, t: (Tensor._wrap(redistribute_local(
-                     g._loc(), g._spec, _grad_placements(out.placements, g.placements)
-                     if any(isinstance(p, Partial) for p in out.placements) else
-                     out.placements)),))
+                     g._loc(), g._spec, _grad_placements(out.placements, g.placements))),))
 
 
 def _check_from_local(arr: np.ndarray, spec: DTensorSpec) -> None:
@@ -360,26 +358,26 @@ def _convert(args):
 
 
 def _interpret(op: Op, args, params):
-    mesh = next(a._spec.mesh for a in args if isinstance(a, DTensor))
     key = (op, tuple(a._spec if isinstance(a, DTensor) else (type(a), a == 0) for a in args),
            _param_key(params))
     entry = _CACHE.get(key)
     if entry is None:
         if len(_CACHE) > 8192:  # params such as a scheduled learning rate change every step
             _CACHE.clear()
-        entry = _CACHE[key] = _plan(op, args, params, mesh)
-    targets, out_spec, local_params, fn = entry
+        entry = _CACHE[key] = _plan(op, args, params)
+    targets, out_spec, local_params, fn, in_specs = entry
     locals_ = [a._local_as(t) if t is not None else a for a, t in zip(args, targets)]
     if fn is None:
         out = op.impl(*locals_, **local_params)
     else:
-        in_specs = [replace(a._spec, placements=t) if t is not None else None
-                    for a, t in zip(args, targets)]
         out = fn(*locals_, in_specs=in_specs, out_spec=out_spec, **local_params)
     return DTensor._make(out, out_spec)
 
 
-def _plan(op: Op, args, params, mesh):
+def _plan(op: Op, args, params):
+    """Everything about running ``op`` on inputs with these specs that does not depend on data:
+    input layouts, output spec, localized params, the local kernel."""
+    mesh = next(a._spec.mesh for a in args if isinstance(a, DTensor))
     for a in args:
         if isinstance(a, DTensor) and a._spec.mesh != mesh:
             raise ValueError(f"op {op.name!r} mixes DTensors on different meshes: {mesh} and "
@@ -391,8 +389,8 @@ def _plan(op: Op, args, params, mesh):
     out_spec = DTensorSpec(mesh, strat.out, tuple(out.shape), np.dtype(out.dtype))
     in_specs = [replace(a._spec, placements=t) if t is not None else None
                 for a, t in zip(args, strat.inputs)]
-    local_params = _localize(op, params, in_specs, out_spec)
-    return strat.inputs, out_spec, local_params, _LOCAL.get(op.name)
+    return (strat.inputs, out_spec, _localize(op, params, in_specs, out_spec),
+            _LOCAL.get(op.name), in_specs)
 
 
 def _local_key(key, shape, placements_local_shape):

@@ -31,10 +31,12 @@ def _is_scalar(a) -> bool:
 
 
 # ----------------------------------------------------------------------------- rules
-# rule(avals, params, out) -> [(ins, out_placement)], ins aligned with the args (None = scalar).
+# rule(avals, params, out, op, current, pieces) -> [(ins, out_placement)], ins aligned with the
+# args (None = scalar). ``current``: the args' placements on this mesh dim; ``pieces``: how many
+# pieces a sharded dim is cut into (reshape's divisibility). Most rules need neither.
 
 
-def _pointwise(avals, params, out):
+def _pointwise(avals, params, out, *_):
     nd = len(out.shape)
     cands = []
     for d in range(nd):
@@ -49,18 +51,26 @@ def _pointwise(avals, params, out):
     return cands + [([None if _is_scalar(a) else R for a in avals], R)]
 
 
-def _reduce(avals, params, out, kind):
+def _reduce(avals, params, out, op, current, pieces):
     (x,), axis, keep = avals, params["axis"], params["keepdims"]
     cands = []
     for d in range(len(x.shape)):
         if d in axis:
-            cands.append(([Shard(d)], Partial(kind)))
+            cands.append(([Shard(d)], Partial(op.name)))  # sum -> P(sum), max -> P(max)
         else:
             cands.append(([Shard(d)], Shard(d if keep else d - sum(1 for a in axis if a < d))))
+    if op.name == "max" and current[0] == Partial("max"):  # a max of maxes
+        cands.append(([Partial("max")], Partial("max")))
     return cands + [([R], R)]
 
 
-def _matmul(avals, params, out):
+def _factory(avals, params, out, op, current, pieces):
+    # The template input carries no data: the result takes its layout as it is.
+    p = current[0]
+    return [([p], R if isinstance(p, Partial) else p)]
+
+
+def _matmul(avals, params, out, *_):
     x, y = avals
     nx, ny, no = len(x.shape), len(y.shape), len(out.shape)
     cands = []
@@ -96,7 +106,7 @@ def _reshape_groups(src, dst):
     return groups
 
 
-def _reshape(avals, params, out, mesh_size=1, current=None):
+def _reshape(avals, params, out, op, current, mesh_size):
     (x,), shape = avals, params["shape"]
     cands = []
     if 0 not in x.shape and 0 not in shape:
@@ -110,6 +120,7 @@ def _reshape(avals, params, out, mesh_size=1, current=None):
             same = x.shape[d] == shape[j] == int(np.prod([x.shape[k] for k in gi]))
             if same or (x.shape[d] % mesh_size == 0 and shape[j] % mesh_size == 0):
                 cands.append(([Shard(d)], Shard(j)))
+    current = current[0]
     if isinstance(current, Shard) and [current] not in [c[0] for c in cands]:
         raise ValueError(
             f"reshape {tuple(x.shape)} -> {tuple(shape)} cannot keep tensor dim {current.dim} "
@@ -120,12 +131,12 @@ def _reshape(avals, params, out, mesh_size=1, current=None):
     return cands + [([R], R)]
 
 
-def _permute(avals, params, out):
+def _permute(avals, params, out, *_):
     axes = params["axes"]
     return [([Shard(d)], Shard(axes.index(d))) for d in range(len(axes))] + [([R], R)]
 
 
-def _broadcast(avals, params, out):
+def _broadcast(avals, params, out, *_):
     (x,), shape = avals, params["shape"]
     lead = len(shape) - len(x.shape)
     return [([Shard(d)], Shard(d + lead)) for d in range(len(x.shape))
@@ -150,7 +161,7 @@ def _full(k, n) -> bool:
     return isinstance(k, tuple) and tuple(k) == (0, n, 1)
 
 
-def _getitem(avals, params, out):
+def _getitem(avals, params, out, *_):
     (x,), key = avals, params["key"]
     real = [k for k in key if k is not None]
     pos = _key_positions(key, len(x.shape))
@@ -158,7 +169,7 @@ def _getitem(avals, params, out):
             if _full(real[d], x.shape[d])] + [([R], R)]
 
 
-def _slice_scatter(avals, params, out):
+def _slice_scatter(avals, params, out, *_):
     shape, key = params["shape"], params["key"]
     real = [k for k in key if k is not None]
     pos = _key_positions(key, len(shape))
@@ -166,13 +177,13 @@ def _slice_scatter(avals, params, out):
             if _full(real[d], shape[d])] + [([R], R)]
 
 
-def _cat(avals, params, out):
+def _cat(avals, params, out, *_):
     axis = params["axis"]
     return [([Shard(d)] * len(avals), Shard(d)) for d in range(len(out.shape)) if d != axis] + [
         ([R] * len(avals), R)]
 
 
-def _index_select(avals, params, out):
+def _index_select(avals, params, out, *_):
     w, idx = avals
     ni = len(idx.shape)
     return ([([R, Shard(d)], Shard(d)) for d in range(ni)]
@@ -180,7 +191,7 @@ def _index_select(avals, params, out):
             + [([Shard(0), R], Partial("sum")), ([R, R], R)])
 
 
-def _index_add(avals, params, out):
+def _index_add(avals, params, out, *_):
     g, idx = avals
     ni = len(idx.shape)
     return ([([Shard(d), Shard(d)], Partial("sum")) for d in range(ni)]
@@ -188,27 +199,27 @@ def _index_add(avals, params, out):
             + [([R, R], Shard(0)), ([R, R], R)])
 
 
-def _gather(avals, params, out):
+def _gather(avals, params, out, *_):
     x, idx = avals
     axis = params["axis"]
     return ([([Shard(d), Shard(d)], Shard(d)) for d in range(len(x.shape)) if d != axis]
             + [([Shard(axis), R], Partial("sum")), ([R, R], R)])
 
 
-def _scatter_add(avals, params, out):
+def _scatter_add(avals, params, out, *_):
     g, idx = avals
     axis = params["axis"]
     return ([([Shard(d), Shard(d)], Shard(d)) for d in range(len(g.shape)) if d != axis]
             + [([R, R], Shard(axis)), ([R, R], R)])
 
 
-def _rowwise(avals, params, out):
+def _rowwise(avals, params, out, *_):
     nd = len(out.shape)
     free = nd - (2 if params.get("causal") else 1)  # the softmax (and causal) dims stay whole
     return [([Shard(d)] * len(avals), Shard(d)) for d in range(free)] + [([R] * len(avals), R)]
 
 
-def _pointwise_stacked(avals, params, out):
+def _pointwise_stacked(avals, params, out, *_):
     nd = len(avals[0].shape)
     return [([Shard(d)] * len(avals), Shard(d + 1)) for d in range(nd)] + [([R] * len(avals), R)]
 
@@ -218,7 +229,7 @@ RULES = {
     "broadcast": _broadcast, "getitem": _getitem, "slice_scatter": _slice_scatter, "cat": _cat,
     "index_select": _index_select, "index_add": _index_add, "gather": _gather,
     "scatter_add": _scatter_add, "rowwise": _rowwise, "pointwise_stacked": _pointwise_stacked,
-    "reduce": None, "factory": None,  # handled in _candidates: they depend on the op / input
+    "reduce": _reduce, "factory": _factory,
 }
 
 
@@ -252,24 +263,13 @@ def _linear_candidates(op, avals, current):
 def _candidates(op, avals, params, out, current, mesh_size):
     """Candidates on one mesh dim. ``mesh_size`` is the number of pieces the sharded dims are
     cut into (for reshape: the product over every mesh dim sharding that tensor dim)."""
-    kind = op.shard
-    if kind == "reduce":
-        cands = _reduce(avals, params, out, op.name)
-        if op.name == "max" and current[0] == Partial("max"):
-            cands.append(([Partial("max")], Partial("max")))
-    elif kind == "factory":
-        p = current[0]
-        cands = [([p], R if isinstance(p, Partial) else p)]
-    elif kind == "reshape":
-        cands = _reshape(avals, params, out, mesh_size, current[0])
-    elif kind in RULES:
-        cands = RULES[kind](avals, params, out)
-    else:
+    rule = RULES.get(op.shard)
+    if rule is None:
         raise NotImplementedError(
-            f"op {op.name!r} has no sharding rule (shard={kind!r}); inputs are "
+            f"op {op.name!r} has no sharding rule (shard={op.shard!r}); inputs are "
             f"{[c for c in current]}. Add a rule to dtensor/sharding.py or call it on "
             f"full tensors (dt.full_tensor()).")
-    return cands + _linear_candidates(op, avals, current)
+    return rule(avals, params, out, op, current, mesh_size) + _linear_candidates(op, avals, current)
 
 
 @dataclass(frozen=True)

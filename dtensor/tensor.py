@@ -401,8 +401,7 @@ class Tensor(TensorMethods):
         if d.base is None and d.flags.writeable and d.flags.c_contiguous and id(self) not in taken:
             taken.add(id(self))
             return self
-        return Tensor._wrap(np.ascontiguousarray(d) if d.base is not None or not
-                            d.flags.c_contiguous else d.copy())
+        return Tensor._wrap(np.array(d, order="C"))
 
     def zero_(self) -> "Tensor":
         self.data = np.zeros_like(self.data)

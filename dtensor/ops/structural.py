@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from dtensor import random as _random
-from dtensor.ops.pointwise import unbroadcast, where
+from dtensor.ops.pointwise import unbroadcast
 from dtensor.ops.registry import Aval, defop
 
 # ---------------------------------------------------------------- reductions
@@ -227,4 +227,4 @@ def _flat_offsets(shape):
 
 
 __all__ = ["sum", "max", "reshape", "permute", "broadcast_to", "getitem", "slice_scatter", "cat",
-           "matmul", "index_select", "index_add", "gather", "scatter_add", "rand", "randn", "where"]
+           "matmul", "index_select", "index_add", "gather", "scatter_add", "rand", "randn"]

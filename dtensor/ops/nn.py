@@ -56,6 +56,8 @@ def erf_block(out, x):
 # pass costs one exp (the slowest ufunc here); the error is below float32 rounding of x Phi(x).
 _AS_P = 0.3275911
 _AS_COEFFS = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
+_UINT = {4: np.uint32, 8: np.uint64}
+_SIGN_BIT = {4: np.uint32(1 << 31), 8: np.uint64(1 << 63)}
 
 
 def _phi_and_pdf(x):
@@ -74,8 +76,11 @@ def _phi_and_pdf(x):
     e = np.exp(z, out=z)  # exp(-x^2/2)
     p *= e  # erfc(|x|/sqrt2)
     p *= -0.5
-    p += 0.5  # erf(|x|/sqrt2) / 2
-    np.copysign(p, x, out=p)  # erf is odd (a masked ufunc would be ~40x slower here)
+    p += 0.5  # erf(|x|/sqrt2) / 2, >= 0
+    # erf is odd: give p the sign bit of x. Two integer passes cost ~40% of one np.copysign.
+    bits, sign = t.view(_UINT[t.itemsize]), _SIGN_BIT[t.itemsize]
+    np.bitwise_and(x.view(bits.dtype), sign, out=bits)
+    np.bitwise_or(p.view(bits.dtype), bits, out=p.view(bits.dtype))
     p += 0.5  # Phi(x)
     return p, e
 

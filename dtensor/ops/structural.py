@@ -134,8 +134,22 @@ def _matmul_abstract(x, y):
 
 
 # d(xy)/dx = g y^T, d(xy)/dy = x^T g, each summed over broadcast batch dims.
+def _blas_layout(a) -> bool:
+    """Whether a's trailing matrix is a tight row- or column-major block (BLAS's lda = a dim)."""
+    s, i = a.strides[-2:], a.itemsize
+    return (s[1] == i and s[0] == a.shape[-1] * i) or (s[0] == i and s[1] == a.shape[-2] * i)
+
+
+def _matmul_impl(x, y):
+    # A stack of matrices that are both loose views (attention's per-head q @ k^T) runs ~2x
+    # slower in OpenBLAS than after copying one of them tight (benchmarks/gpt_step.py).
+    if x.ndim > 2 and y.ndim > 2 and not (_blas_layout(x) or _blas_layout(y)):
+        x = np.ascontiguousarray(x)
+    return np.matmul(x, y)
+
+
 matmul = defop(
-    "matmul", impl=np.matmul, abstract=_matmul_abstract,
+    "matmul", impl=_matmul_impl, abstract=_matmul_abstract,
     vjp=lambda g, out, x, y: (lambda: unbroadcast(g @ y.mT, x.shape),
                               lambda: unbroadcast(x.mT @ g, y.shape)),
     linearity="one", shard="matmul", lower="extern:matmul")

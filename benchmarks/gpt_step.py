@@ -1,12 +1,16 @@
-"""One training step of the standard GPT workload, eager, single process.
+"""One training step of the standard GPT workload: eager, one process or parallelized.
 
-Prints one JSON line: median/min/max step seconds over --steps steps after --warmup, tokens/s,
-achieved GFLOP/s (27.41 GFLOP per step for the standard workload, counted as in the issue), peak
-RSS, and numpy's own float32 matmul GFLOP/s measured in the same run with the same threads, so
-the result reads as a ratio.
+Prints one JSON line (rank 0): median/min/max step seconds over --steps steps after --warmup,
+tokens/s, achieved GFLOP/s (27.41 GFLOP per step for the standard workload, counted as in the
+issue), peak RSS, and numpy's own float32 matmul GFLOP/s measured in the same run with the same
+threads, so the result reads as a ratio. Under dtlaunch the model goes through
+dtensor.parallel.parallelize on a (dp, tp) mesh, and the line also gives the collectives per step
+(count and bytes by kind, from the debug counter) next to Megatron-LM's figures for the same
+layout (``megatron_bytes``, ``bytes_ratio``).
 
-    python benchmarks/gpt_step.py                 # standard workload
-    python benchmarks/gpt_step.py --steps 20
+    python benchmarks/gpt_step.py                                  # standard workload
+    dtlaunch --nproc 2 benchmarks/gpt_step.py --tp 2
+    dtlaunch --nproc 4 benchmarks/gpt_step.py --tp 2 --dp 2 --sp [--fsdp]
 """
 from __future__ import annotations
 
@@ -46,18 +50,61 @@ def numpy_matmul_gflops(reps: int = 5) -> float:
     return 2 * 1024 * 256 * 4096 / statistics.median(times) / 1e9
 
 
+def megatron_bytes(cfg, batch: int, seq: int, tp: int, dp: int, sp: bool, fsdp: bool,
+                   param_bytes: int) -> dict:
+    """Megatron-LM's collective bytes per rank per step for this layout, in the debug counter's
+    convention (all_reduce and reduce_scatter: input bytes; all_gather: gathered bytes).
+
+    ``param_bytes``: this rank's parameter bytes when whole over "dp" (its "tp" shards).
+    """
+    L, C, item = cfg.n_layer, cfg.n_embd, 4
+    act = batch // dp * seq * C * item  # one (B/dp, T, C) activation
+    tok = batch // dp * seq * item  # one number per token
+    out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    if tp > 1:
+        if sp:  # per block 2 all-gathers + 2 reduce-scatters forward and backward, plus the
+            # embedding (reduce-scatter / all-gather) and lm_head (all-gather / reduce-scatter)
+            out["all_gather"] += 2 * (2 * L + 1) * act
+            out["reduce_scatter"] += 2 * (2 * L + 1) * act
+            # gradients of replicated parameters computed from sequence shards: LayerNorms
+            # (Megatron's sequence-parallel grad all-reduce) and the position embedding
+            out["all_reduce"] += ((2 * L + 1) * 2 * C + seq * C) * item
+        else:  # per block 2 all-reduces forward + 2 backward; embedding forward; lm_head backward
+            out["all_reduce"] += (4 * L + 2) * act
+        out["all_reduce"] += 3 * tok  # vocab-parallel cross-entropy: max, sum-exp, target logit
+    if dp > 1:
+        if fsdp:  # gather every parameter forward, reduce-scatter its gradient
+            out["all_gather"] += param_bytes
+            out["reduce_scatter"] += param_bytes
+        else:  # all-reduce every gradient
+            out["all_reduce"] += param_bytes
+        out["all_reduce"] += 2 * item  # the token count of the mean, the loss for logging
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    ap.add_argument("--fsdp", action="store_true", help="shard parameters over dp (with --dp)")
     args = ap.parse_args()
 
     cfg = dtensor.nn.GPTConfig(vocab_size=4096, n_layer=4, n_embd=256, n_head=8, mlp_hidden=1024,
                                block_size=args.seq, bias=False, dropout=0.0)
     dtensor.manual_seed(0)
     model = dtensor.nn.GPT(cfg)
+    world = args.tp * args.dp
+    mesh, rank = None, 0
+    if world > 1:
+        from dtensor.parallel import parallelize
+        mesh = dtensor.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+        rank = mesh.get_rank()
+        parallelize(model, mesh, sequence_parallel=args.sp, fsdp=args.fsdp)
     opt = dtensor.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8,
                               weight_decay=0.01)
     rng = np.random.default_rng(0)
@@ -74,18 +121,22 @@ def main() -> None:
     matmul_before = numpy_matmul_gflops()
     for _ in range(args.warmup):
         step()
-    times = []
+    from dtensor.comm import count_collectives
+    times, logs = [], []
     for _ in range(args.steps):
         t = time.perf_counter()
-        step()
+        with count_collectives() as log:
+            step()
         times.append(time.perf_counter() - t)
+        logs.append(log.summary())
     matmul_after = numpy_matmul_gflops()
     matmul = max(matmul_before, matmul_after)
     med = statistics.median(times)
     flops = step_flops(cfg, args.batch, args.seq)
     gflops = flops / med / 1e9
-    print(json.dumps({
-        "bench": "gpt_step", "mode": "eager", "ranks": 1,
+    record = {
+        "bench": "gpt_step", "mode": "eager", "ranks": world, "tp": args.tp, "dp": args.dp,
+        "sp": args.sp, "fsdp": args.fsdp,
         "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
         "step_s_median": round(med, 4), "step_s_min": round(min(times), 4),
         "step_s_max": round(max(times), 4), "steps": args.steps,
@@ -95,7 +146,31 @@ def main() -> None:
         "ratio_to_matmul": round(gflops / matmul, 3),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "python": sys.version.split()[0], "numpy": np.__version__,
-    }))
+    }
+    if world > 1:
+        per_step = logs[-1]
+        if any(log != per_step for log in logs):
+            raise RuntimeError(f"collectives differ between steps: {logs}")
+        # Parameter bytes of this rank when whole over "dp": each parameter's "tp" shard.
+        whole_dp = 0
+        for p in model.parameters():
+            n = p.numel()
+            tp_p = p.placements[1]
+            if isinstance(tp_p, dtensor.Shard):
+                from dtensor.placements import shard_size_and_offset
+                k = shard_size_and_offset(p.shape[tp_p.dim], args.tp, mesh.get_local_rank("tp"))[0]
+                n = n // p.shape[tp_p.dim] * k
+            whole_dp += n * 4
+        expect = megatron_bytes(cfg, args.batch, args.seq, args.tp, args.dp, args.sp, args.fsdp,
+                                whole_dp)
+        got = {k: per_step.get(k, (0, 0))[1] for k in expect}
+        record["collectives"] = {k: {"count": n, "bytes": b} for k, (n, b) in per_step.items()}
+        record["megatron_bytes"] = expect
+        record["bytes_ratio"] = round(sum(got.values()) / max(1, sum(expect.values())), 4)
+        record["bytes_ratio_by_kind"] = {k: round(got[k] / expect[k], 4) if expect[k] else
+                                         (None if not got[k] else float("inf")) for k in expect}
+    if rank == 0:
+        print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,7 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
             node = t._node
             if node is None:
                 if accumulate_into_leaves:
+                    g = g._as_grad_of(t)
                     t.grad = g._owned(taken) if t.grad is None else t.grad + g
                 continue
             inputs = node.inputs

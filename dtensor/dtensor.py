@@ -193,6 +193,9 @@ class DTensor(TensorMethods):
                      async_op: bool = False) -> "DTensor":
         """The same tensor laid out as ``placements`` (collectives per the transition table).
 
+        As in PyTorch, the result is a boundary for autograd even when the layout does not
+        change: the gradient that reaches it goes back to this tensor's placements (a Partial
+        gradient of a Replicate tensor is all-reduced here, once, however many ops used it).
         With ``async_op=True`` the collectives start now and the result waits on first use.
         """
         if device_mesh is not None and device_mesh != self.device_mesh:
@@ -205,7 +208,7 @@ class DTensor(TensorMethods):
                 raise ValueError(f"redistribute to {p} (mesh dim {m}) is not allowed: Partial "
                                  f"is a pending reduction that only ops produce. Use "
                                  f"Replicate() or Shard(d).")
-        return _redistribute(self, placements, async_op)
+        return _redistribute(self, placements, async_op, boundary=True)
 
     # -- in-place updates (optimizers): replace the local block, never the graph
     def _assign(self, new: "DTensor") -> None:
@@ -215,6 +218,15 @@ class DTensor(TensorMethods):
 
     def _owned(self, taken: set) -> "DTensor":
         return self
+
+    def _as_grad_of(self, leaf: "DTensor") -> "DTensor":
+        """This gradient laid out as its leaf: a parameter's ``.grad`` always has the
+        parameter's placements (a Partial gradient of a Replicate parameter is all-reduced, of a
+        Shard one reduce-scattered, as DDP and FSDP do), so optimizers run without
+        communication."""
+        if self.placements == leaf.placements:
+            return self
+        return _redistribute(self, _grad_placements(leaf.placements, self.placements))
 
     def _ones_like(self) -> "DTensor":
         return DTensor._make(np.ones(_local_block(self._spec)[0], self.dtype),
@@ -266,10 +278,15 @@ def _grad_placements(src, gp):
                  (Replicate() if isinstance(s, Partial) else s) for s, g in zip(src, gp))
 
 
-def _redistribute(x: DTensor, placements, async_op: bool = False) -> DTensor:
+def _redistribute(x: DTensor, placements, async_op: bool = False,
+                  boundary: bool = False) -> DTensor:
     placements = tuple(placements)
     if placements == x.placements:
-        return x
+        if not (boundary and autograd.is_grad_enabled() and x.requires_grad):
+            return x
+        out = DTensor._make(x._loc(), x._spec)
+        autograd.record(_REDISTRIBUTE, (x,), {"placements": placements}, out)
+        return out
     spec = replace(x._spec, placements=placements)
     if async_op:
         from dtensor.comm import Work
@@ -441,14 +458,14 @@ def _index_select_local(w, idx, *, in_specs, out_spec):
     return out
 
 
-def _index_add_local(g, idx, num, *, in_specs, out_spec):
+def _index_add_local(g, idx, like, *, in_specs, out_spec):
     off, n = _rows(out_spec, 0)
     if n == 0:
         return np.zeros(_local_block(out_spec)[0], g.dtype)
-    rel = idx - off
+    rel = idx - off  # vocab-parallel gradient: only the rows this rank holds
     hit = (rel >= 0) & (rel < n)
     rows = g.reshape((idx.size,) + g.shape[idx.ndim:])[hit.reshape(-1)]
-    return structural.index_add.impl(rows, rel[hit], n)
+    return structural.index_add_rows(rows, rel[hit], n)
 
 
 def _gather_local(x, idx, axis, *, in_specs, out_spec):
@@ -462,13 +479,13 @@ def _gather_local(x, idx, axis, *, in_specs, out_spec):
     return np.take_along_axis(x, np.where(hit, rel, 0), axis=axis) * hit
 
 
-def _scatter_add_local(g, idx, axis, size, *, in_specs, out_spec):
+def _scatter_add_local(g, idx, like, axis, *, in_specs, out_spec):
     off, n = _rows(out_spec, axis)
     if n == 0:
         return np.zeros(_local_block(out_spec)[0], g.dtype)
     rel = idx - off
     hit = (rel >= 0) & (rel < n)
-    return structural.scatter_add.impl(g * hit, np.where(hit, rel, 0), axis, n)
+    return structural.scatter_add_along(g * hit, np.where(hit, rel, 0), axis, n)
 
 
 def _block_offsets(spec: DTensorSpec) -> np.ndarray:

@@ -69,8 +69,11 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
     if src == tuple(placements):
         return local
     coord = mesh.get_coordinate()
-    cur = list(src)
     tgt = list(placements)
+    # Over a mesh dim of one rank every transition is the identity: relabel, move nothing.
+    cur = [t if n == 1 else p for p, t, n in zip(src, tgt, mesh.shape)]
+    if cur == tgt:
+        return local
     nd = mesh.ndim
     _debug(f"redistribute {tuple(shape)} {spec.dtype}: {list(src)} -> {list(placements)} "
            f"({int(np.prod(shape)) * np.dtype(spec.dtype).itemsize} bytes)")

@@ -191,12 +191,18 @@ def _index_select(avals, params, out, *_):
             + [([Shard(0), R], Partial("sum")), ([R, R], R)])
 
 
-def _index_add(avals, params, out, *_):
-    g, idx = avals
-    ni = len(idx.shape)
-    return ([([Shard(d), Shard(d)], Partial("sum")) for d in range(ni)]
-            + [([Shard(d), R], Shard(d - ni + 1)) for d in range(ni, len(g.shape))]
-            + [([R, R], Shard(0)), ([R, R], R)])
+def _index_add(avals, params, out, op, current, pieces):
+    # The template (the forward's weight) never moves; the gradient takes its layout where the
+    # rows allow it. A vocab-parallel weight (Shard(0)) gets its rows summed where they live.
+    g, idx, like = avals
+    ni, t = len(idx.shape), current[2]
+    if isinstance(t, Shard) and t.dim == 0:
+        return [([R, R, t], t)]
+    if isinstance(t, Shard):  # a feature dim j of the weight is g's dim ni + j - 1
+        return [([Shard(ni + t.dim - 1), R, t], t), ([R, R, t], R)]
+    return ([([Shard(d), Shard(d), t], Partial("sum")) for d in range(ni)]
+            + [([Shard(d), R, t], Shard(d - ni + 1)) for d in range(ni, len(g.shape))]
+            + [([R, R, t], R)])
 
 
 def _gather(avals, params, out, *_):
@@ -206,11 +212,16 @@ def _gather(avals, params, out, *_):
             + [([Shard(axis), R], Partial("sum")), ([R, R], R)])
 
 
-def _scatter_add(avals, params, out, *_):
-    g, idx = avals
-    axis = params["axis"]
-    return ([([Shard(d), Shard(d)], Shard(d)) for d in range(len(g.shape)) if d != axis]
-            + [([R, R], Shard(axis)), ([R, R], R)])
+def _scatter_add(avals, params, out, op, current, pieces):
+    # As index_add: the template (the gather's input) never moves and lends its layout.
+    g, idx, like = avals
+    axis, t = params["axis"] % len(g.shape), current[2]
+    if t == Shard(axis):  # vocab-parallel cross-entropy: each rank fills the columns it holds
+        return [([R, R, t], t)]
+    if isinstance(t, Shard):
+        return [([t, t, t], t), ([R, R, t], R)]
+    return ([([Shard(d), Shard(d), t], Shard(d)) for d in range(len(g.shape)) if d != axis]
+            + [([R, R, t], R)])
 
 
 def _rowwise(avals, params, out, *_):
@@ -300,7 +311,10 @@ def propagate(op, avals, params, placements, out, mesh) -> Strategy:
             pieces = int(np.prod([mesh.shape[k] for k, p in enumerate(placements[0])
                                   if p == current[0]]))
         best, best_cost = None, (float("inf"), 0)
+        template = op.meta.get("template")
         for cand_in, cand_out in _candidates(op, avals, params, out, current, pieces):
+            if template is not None and cand_in[template] != current[template]:
+                continue  # a template carries no data to move (a linear candidate's R)
             # (bytes moved, inputs that change placement): free re-layouts (R -> S) lose ties
             # to keeping every input where it is.
             moved, changed, follows, introduces = 0.0, 0, False, False

@@ -393,6 +393,9 @@ class Tensor(TensorMethods):
         """
         self.data = new.data.astype(self.data.dtype, copy=False)
 
+    def _as_grad_of(self, leaf) -> "Tensor":
+        return self
+
     def _owned(self, taken: set) -> "Tensor":
         """This gradient if it owns writeable C-ordered memory not already handed out, else a
         C-ordered copy (a weight's gradient arrives as the transpose of a GEMM result; the

@@ -88,16 +88,16 @@ def _np_slice_scatter(g, shape, key):
     return out
 
 
-def _np_index_add(g, idx, num):
-    out = np.zeros((num,) + g.shape[idx.ndim:], g.dtype)
+def _np_index_add(g, idx, like):
+    out = np.zeros((like.shape[0],) + g.shape[idx.ndim:], g.dtype)
     for pos in np.ndindex(*idx.shape):
         out[idx[pos]] += g[pos]
     return out
 
 
-def _np_scatter_add(g, idx, axis, size):
+def _np_scatter_add(g, idx, like, axis):
     shape = list(g.shape)
-    shape[axis] = size
+    shape[axis] = like.shape[axis]
     out = np.zeros(shape, g.dtype)
     for pos in np.ndindex(*idx.shape):
         tgt = list(pos)
@@ -153,11 +153,12 @@ SAMPLES = {
     "matmul": [((r(3, 4), r(4, 5)), {}), ((r(2, 3, 4), r(4, 5)), {}),
                ((r(2, 1, 3, 4), r(3, 4, 2)), {})],
     "index_select": [((r(6, 3), ints(6, 2, 4)), {}), ((r(5, 2, 2), ints(5, 7)), {})],
-    "index_add": [((r(2, 4, 3), ints(6, 2, 4)), {"num": 6}), ((r(7,), ints(3, 7)), {"num": 3})],
+    "index_add": [((r(2, 4, 3), ints(6, 2, 4), r(6, 3)), {}),
+                  ((r(7,), ints(3, 7), r(3)), {})],
     "gather": [((r(4, 6), ints(6, 4, 2)), {"axis": 1}), ((r(4, 6), ints(6, 4, 1)), {"axis": 1}),
                ((r(5, 3), ints(5, 2, 3)), {"axis": 0})],
-    "scatter_add": [((r(4, 3), ints(6, 4, 3)), {"axis": 1, "size": 6}),
-                    ((r(4, 1), ints(6, 4, 1)), {"axis": 1, "size": 6})],
+    "scatter_add": [((r(4, 3), ints(6, 4, 3), r(4, 6)), {"axis": 1}),
+                    ((r(4, 1), ints(6, 4, 1), r(4, 6)), {"axis": 1})],
     "rand": [((np.empty((3, 4)),), {"key": 123, "dtype": np.dtype(np.float32)})],
     "randn": [((np.empty((5, 3)),), {"key": 2 ** 40 + 7, "dtype": np.dtype(np.float64)})],
     "gelu": [((2 * r(4, 5),), {"approximate": "none"}), ((2 * r(4, 5),), {"approximate": "tanh"})],

@@ -119,6 +119,15 @@ def linear(x, weight, bias=None):
     return y.reshape(lead + (weight.shape[0],))
 
 
+def _vocab_parallel(logits) -> bool:
+    """Inside ``dtensor.parallel.loss_parallel()``, class-sharded DTensor logits take the
+    vocab-parallel path (no gather of the logits)."""
+    if not hasattr(logits, "placements"):
+        return False
+    from dtensor.parallel.loss import class_sharded, loss_parallel_enabled
+    return loss_parallel_enabled() and class_sharded(logits)
+
+
 def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mean"):
     """Cross-entropy of logits ``input`` (N, C) or (N, C, d1, ...) against class indices.
 
@@ -138,11 +147,17 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
     if not np.issubdtype(target.dtype, np.integer):
         raise TypeError(f"cross_entropy: target must hold class indices (integers), got dtype "
                         f"{target.dtype}.")
-    logp = log_softmax(input, -1)
-    valid = target != ignore_index
-    safe = pw.where(valid, target, 0)  # an ignored row still needs an in-range index to gather
-    nll = -st.gather(logp, safe.unsqueeze(-1), axis=logp.ndim - 1).squeeze(-1)
-    nll = pw.where(valid, nll, 0.0)
+    if _vocab_parallel(input):
+        from dtensor.parallel.loss import target_like, vocab_parallel_nll
+        target = target_like(target, input)
+        valid = target != ignore_index
+        nll = vocab_parallel_nll(input, target, valid)
+    else:
+        valid = target != ignore_index
+        logp = log_softmax(input, -1)
+        safe = pw.where(valid, target, 0)  # an ignored row still needs an in-range index
+        nll = -st.gather(logp, safe.unsqueeze(-1), axis=logp.ndim - 1).squeeze(-1)
+        nll = pw.where(valid, nll, 0.0)
     if reduction == "none":
         return nll
     if reduction == "sum":

@@ -159,11 +159,12 @@ matmul = defop(
 index_select = defop(
     "index_select", impl=lambda w, idx: np.take(w, idx, axis=0),
     abstract=lambda w, idx: Aval(tuple(idx.shape) + tuple(w.shape[1:]), w.dtype),
-    vjp=lambda g, out, w, idx: (index_add(g, idx, num=w.shape[0]), None),
+    vjp=lambda g, out, w, idx: (index_add(g, idx, w), None),
     linearity="all", shard="index_select", lower="extern:take", nondiff=(1,))
 
 
-def _index_add_impl(g, idx, num):
+def index_add_rows(g, idx, num):
+    """Rows of ``g`` summed into row ``idx`` of zeros((num, ...))."""
     # Sort the indices and sum runs of equal ones with reduceat: ~10x faster than np.add.at.
     rows = g.reshape((idx.size,) + g.shape[idx.ndim:])  # (-1) is ambiguous when empty
     flat = idx.reshape(-1)
@@ -177,12 +178,16 @@ def _index_add_impl(g, idx, num):
     return out
 
 
-# The vjp of index_select: rows of ``g`` summed into row ``idx`` of zeros((num, ...)).
+# The vjp of index_select: rows of ``g`` summed into row ``idx`` of zeros shaped like ``like``
+# (the forward's weight). ``like`` is a template: only its shape is read, and under DTensor the
+# result takes its layout (a vocab-parallel weight's gradient is summed where its rows live),
+# so the template never moves (meta "template").
 index_add = defop(
-    "index_add", impl=_index_add_impl,
-    abstract=lambda g, idx, num: Aval((num,) + tuple(g.shape[idx.ndim:]), g.dtype),
-    vjp=lambda g2, out, g, idx, num: (index_select(g2, idx), None),
-    linearity="all", shard="index_add", lower="extern:index_add", nondiff=(1,))
+    "index_add", impl=lambda g, idx, like: index_add_rows(g, idx, like.shape[0]),
+    abstract=lambda g, idx, like: Aval((like.shape[0],) + tuple(g.shape[idx.ndim:]), g.dtype),
+    vjp=lambda g2, out, g, idx, like: (index_select(g2, idx), None, None),
+    linearity="all", shard="index_add", lower="extern:index_add", nondiff=(1, 2),
+    meta={"template": 2})
 
 # ---------------------------------------------------------------- gather / scatter along a dim
 # torch.gather semantics: out[..., j] = x[..., idx[..., j]] along ``axis``.
@@ -195,11 +200,12 @@ def _gather_abstract(x, idx, axis):
 gather = defop(
     "gather", impl=lambda x, idx, axis: np.take_along_axis(x, idx, axis=axis),
     abstract=_gather_abstract,
-    vjp=lambda g, out, x, idx, axis: (scatter_add(g, idx, axis=axis, size=x.shape[axis]), None),
+    vjp=lambda g, out, x, idx, axis: (scatter_add(g, idx, x, axis=axis), None),
     linearity="all", shard="gather", lower="extern:gather", nondiff=(1,))
 
 
-def _scatter_add_impl(g, idx, axis, size):
+def scatter_add_along(g, idx, axis, size):
+    """``g`` summed into position ``idx`` along ``axis`` of zeros (``size`` long there)."""
     shape = list(g.shape)
     shape[axis] = size
     out = np.zeros(shape, g.dtype)
@@ -212,13 +218,17 @@ def _scatter_add_impl(g, idx, axis, size):
     return out
 
 
-# The vjp of gather: ``g`` summed into position ``idx`` along ``axis`` of zeros.
+# The vjp of gather: ``g`` summed into position ``idx`` along ``axis`` of zeros shaped like
+# ``like`` (the forward's input; a template, as index_add's).
 scatter_add = defop(
-    "scatter_add", impl=_scatter_add_impl,
-    abstract=lambda g, idx, axis, size: Aval(
-        tuple(size if d == axis else n for d, n in enumerate(g.shape)), g.dtype),
-    vjp=lambda g2, out, g, idx, axis, size: (gather(g2, idx, axis=axis), None),
-    linearity="all", shard="scatter_add", lower="extern:scatter_add", nondiff=(1,))
+    "scatter_add", impl=lambda g, idx, like, axis: scatter_add_along(g, idx, axis,
+                                                                     like.shape[axis]),
+    abstract=lambda g, idx, like, axis: Aval(
+        tuple(like.shape[axis] if d == axis % len(g.shape) else n
+              for d, n in enumerate(g.shape)), g.dtype),
+    vjp=lambda g2, out, g, idx, like, axis: (gather(g2, idx, axis=axis), None, None),
+    linearity="all", shard="scatter_add", lower="extern:scatter_add", nondiff=(1, 2),
+    meta={"template": 2})
 
 # ---------------------------------------------------------------- random factories
 # Random values are a pure function of (key, global flat index): see dtensor/random.py. The

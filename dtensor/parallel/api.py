@@ -1,0 +1,281 @@
+"""``parallelize_module`` (a plan of styles) and ``parallelize`` (the Megatron plan for
+dtensor.nn Transformers, with data parallelism and FSDP on a 2-D mesh)."""
+from __future__ import annotations
+
+import os
+from contextlib import ExitStack
+from fnmatch import fnmatchcase
+
+import numpy as np
+
+from dtensor.dtensor import DTensor, distribute_tensor, implicit_replication
+from dtensor.mesh import DeviceMesh
+from dtensor.nn.module import Module
+from dtensor.parallel.loss import loss_parallel as _loss_parallel
+from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                                    PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                                    distribute_param)
+from dtensor.placements import Replicate, Shard
+from dtensor.tensor import TensorMethods
+
+__all__ = ["parallelize_module", "parallelize"]
+
+_PLAN_EXAMPLE = """    from dtensor.parallel import parallelize_module, ColwiseParallel, RowwiseParallel
+    parallelize_module(model, mesh, {
+        "layers.*.fc1": ColwiseParallel(use_local_output=False),
+        "layers.*.fc2": RowwiseParallel(use_local_output=False),
+    })"""
+
+
+def _tp_dim(mesh: DeviceMesh, tp_dim) -> int:
+    if mesh.ndim > 2:
+        raise ValueError(f"tensor parallelism takes a 1-D mesh or a 2-D ('dp', 'tp') mesh; got a "
+                         f"{mesh.ndim}-D mesh {mesh._dims_text()}. Build it with "
+                         f"init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')).")
+    if tp_dim is not None:
+        return mesh._dim(tp_dim)
+    if mesh.ndim == 1:
+        return 0
+    if not mesh.mesh_dim_names or "tp" not in mesh.mesh_dim_names:
+        raise ValueError(f"on a 2-D mesh {mesh._dims_text()} say which dim is tensor-parallel: "
+                         f"name it 'tp' (mesh_dim_names=('dp', 'tp')) or pass tp_dim=.")
+    return mesh._dim("tp")
+
+
+def _matches(pattern: str, path: str) -> bool:
+    """fnmatch per dotted atom, as PyTorch: ``blocks.*.attn.q`` has ``*`` stand for one atom."""
+    pa, na = pattern.split("."), path.split(".")
+    return len(pa) == len(na) and all(fnmatchcase(n, p) for p, n in zip(pa, na))
+
+
+def parallelize_module(module: Module, device_mesh: DeviceMesh, parallelize_plan=None, *,
+                       tp_dim: int | str | None = None) -> Module:
+    """Apply parallel styles to ``module``'s submodules, in plan order.
+
+    Args:
+        parallelize_plan: a ParallelStyle (applied to ``module`` itself) or a dict from module
+            paths to styles; a path may use fnmatch wildcards per dotted atom
+            (``"blocks.*.attn.q"``). A key that matches no submodule raises ValueError.
+        tp_dim: the tensor-parallel mesh dim of a 2-D mesh (default: the one named "tp").
+
+    Example (under ``dtlaunch --nproc 2``):
+        >>> mesh = init_device_mesh("cpu", (2,))
+        >>> parallelize_module(mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    """
+    tp = _tp_dim(device_mesh, tp_dim)
+    if parallelize_plan is None:
+        return module
+    if isinstance(parallelize_plan, ParallelStyle):
+        return parallelize_plan.apply(module, device_mesh, tp, "")
+    if not isinstance(parallelize_plan, dict):
+        raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of module path -> "
+                        f"ParallelStyle, got {type(parallelize_plan).__name__}.")
+    named = list(module.named_modules())
+    for key, style in parallelize_plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(f"plan key {key!r}: {style!r} is not a ParallelStyle (use "
+                            f"ColwiseParallel(), RowwiseParallel(), SequenceParallel(), ...).")
+        hits = [(name, m) for name, m in named if _matches(key, name)]
+        if not hits:
+            paths = [n for n, _ in named if n][:12]
+            raise ValueError(f"plan key {key!r} matches no submodule of {type(module).__name__}; "
+                             f"its module paths include {paths}. Keys are dotted paths with "
+                             f"fnmatch wildcards per atom, e.g. 'blocks.*.attn.q'.")
+        for name, m in hits:
+            style.apply(m, device_mesh, tp, name)
+    return module
+
+
+# ----------------------------------------------------------------------------- parallelize
+
+def _wrap_forward(module: Module, around) -> None:
+    """Run ``around(inner_forward, *args, **kwargs)`` in place of ``module.forward``."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return around(inner, *args, **kwargs)
+
+    module.__dict__["forward"] = forward
+
+
+def _gpt_parts(model) -> dict:
+    """The Transformer pieces parallelize() knows, or a TypeError that shows how to pass a plan."""
+    try:
+        blocks = list(model.blocks)
+        attn, mlp = blocks[0].attn, blocks[0].mlp
+        parts = dict(n_head=attn.n_head, n_embd=attn.q.in_features,
+                     hidden=mlp.fc1.out_features, vocab=model.wte.num_embeddings,
+                     n_layer=len(blocks))
+        for b in blocks:
+            b.ln1, b.ln2, b.attn.k, b.attn.v, b.attn.proj, b.mlp.fc2  # noqa: B018 (presence)
+        model.wpe, model.ln_f, model.lm_head  # noqa: B018
+    except (AttributeError, TypeError, IndexError) as e:
+        raise TypeError(
+            f"parallelize() recognises dtensor.nn.GPT-shaped models (wte, wpe, blocks[i].ln1/"
+            f"attn.q/k/v/proj/ln2/mlp.fc1/fc2, ln_f, lm_head); {type(model).__name__} is not one "
+            f"({e}). Describe its layout with a plan instead:\n{_PLAN_EXAMPLE}") from None
+    return parts
+
+
+def _check_divisible(parts: dict, tp: int) -> None:
+    if parts["n_head"] % tp:
+        raise ValueError(
+            f"tp={tp} does not divide n_head={parts['n_head']}: column-parallel q/k/v give each "
+            f"rank whole attention heads (the (B, T, C) -> (B, T, heads, head_dim) reshape keeps "
+            f"the heads dim sharded only if the heads split evenly). Pick tp from the divisors "
+            f"of {parts['n_head']}.")
+
+
+def gpt_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """The Megatron-LM plan over the "tp" dim for a dtensor.nn.GPT.
+
+    Attention and MLP each take one whole (Replicate) input at a PrepareModuleInput boundary,
+    so the backward reduces the three q/k/v input gradients with one all-reduce; with sequence
+    parallelism the residual stream is Shard(1) and those boundaries are all-gathers forward and
+    reduce-scatters backward.
+    """
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
+                               use_local_output=False),
+        "blocks.*.attn": PrepareModuleInput(input_layouts=(stream,),
+                                            desired_input_layouts=(Replicate(),)),
+        "blocks.*.attn.q": ColwiseParallel(use_local_output=False),
+        "blocks.*.attn.k": ColwiseParallel(use_local_output=False),
+        "blocks.*.attn.v": ColwiseParallel(use_local_output=False),
+        "blocks.*.attn.proj": RowwiseParallel(output_layouts=stream, use_local_output=False),
+        "blocks.*.mlp": PrepareModuleInput(input_layouts=(stream,),
+                                           desired_input_layouts=(Replicate(),)),
+        "blocks.*.mlp.fc1": ColwiseParallel(use_local_output=False),
+        "blocks.*.mlp.fc2": RowwiseParallel(output_layouts=stream, use_local_output=False),
+        "lm_head": ColwiseParallel(input_layouts=stream,
+                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=False),
+    }
+    if sequence_parallel:
+        for key in ("drop", "blocks.*.ln1", "blocks.*.ln2", "ln_f"):
+            plan[key] = SequenceParallel()
+    else:
+        # ln_f's output feeds only lm_head: a boundary there all-reduces lm_head's input gradient
+        # before ln_f's backward (Megatron's "f"), so ln_f's weight gradient is whole.
+        plan["ln_f"] = PrepareModuleOutput(output_layouts=(Replicate(),),
+                                           desired_output_layouts=(Replicate(),),
+                                           use_local_output=False)
+    return plan
+
+
+def _fsdp_dim(p: DTensor, tp: int | None) -> int:
+    """The tensor dim FSDP shards over "dp": one that "tp" does not shard, so gathering it is a
+    plain all-gather over "dp" (dim 0 unless "tp" took it)."""
+    taken = p.placements[tp].dim if tp is not None and isinstance(p.placements[tp], Shard) else None
+    return 1 if taken == 0 and p.ndim > 1 else 0
+
+
+def _shard_params_fsdp(model: Module, mesh: DeviceMesh, dp: int, tp: int | None) -> None:
+    """Store every parameter Shard(k) over "dp"; gather it (a differentiable redistribute, so
+    the backward reduce-scatters the gradient) for the duration of its module's forward."""
+    for _, m in model.named_modules():
+        names = [n for n, p in m._parameters.items() if p is not None]
+        if not names:
+            continue
+        for n in names:
+            p = m._parameters[n]
+            if not isinstance(p, DTensor):
+                distribute_param(m, n, mesh, dp, Replicate())
+                p = m._parameters[n]
+            distribute_param(m, n, mesh, dp, Shard(_fsdp_dim(p, tp)))
+
+        def around(inner, *args, _m=m, _names=tuple(names), **kwargs):
+            stored = {n: _m._parameters[n] for n in _names}
+            for n, p in stored.items():
+                gathered = list(p.placements)
+                gathered[dp] = Replicate()
+                _m._parameters[n] = p.redistribute(placements=gathered)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                _m._parameters.update(stored)
+
+        _wrap_forward(m, around)
+
+
+def _batch_input(x, mesh: DeviceMesh, dp: int | None):
+    """A plain array input is the global batch (the same on every rank): each "dp" rank keeps
+    its rows. DTensors (say, from_local of per-rank batches) pass through."""
+    if isinstance(x, DTensor) or not (isinstance(x, (TensorMethods, np.ndarray))):
+        return x
+    placements = [Replicate()] * mesh.ndim
+    if dp is not None and len(x.shape):
+        placements[dp] = Shard(0)
+    return distribute_tensor(x, mesh, placements, src_data_rank=None)
+
+
+def _describe(model: Module, plan: dict, mesh: DeviceMesh, fsdp: bool) -> str:
+    lines = [f"parallelize: mesh {mesh._dims_text()}{', fsdp' if fsdp else ''}; plan:"]
+    lines += [f"  {k:22s} {v!r}" for k, v in plan.items()]
+    lines.append("  parameters:")
+    for name, p in model.named_parameters():
+        where = list(p.placements) if isinstance(p, DTensor) else "local"
+        lines.append(f"    {name:28s} {tuple(p.shape)} {where}")
+    return "\n".join(lines)
+
+
+def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                loss_parallel: bool = True, fsdp: bool = False) -> Module:
+    """Parallelize a dtensor.nn Transformer over ``mesh``, in place; returns the model.
+
+    * "tp" dim: the Megatron plan (``gpt_plan``): q/k/v and fc1 column-parallel, proj and fc2
+      row-parallel, the token embedding vocab-parallel, lm_head column-parallel with the
+      vocab-parallel loss (``loss_parallel``); norms replicated, or sequence-parallel with
+      ``sequence_parallel=True``.
+    * "dp" dim: plain array inputs are the global batch and each "dp" rank takes its rows
+      (Shard(0)); parameters are Replicate over "dp" and their gradients are all-reduced when
+      stored, or, with ``fsdp=True``, parameters and optimizer state are Shard over "dp",
+      all-gathered for each module's forward and their gradients reduce-scattered.
+
+    A 1-D mesh is "tp" unless its dim is named "dp". With DTENSOR_DEBUG=1 rank 0 prints the
+    plan and every parameter's placements.
+
+    Example (under ``dtlaunch --nproc 4``):
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> model = parallelize(GPT(cfg), mesh, sequence_parallel=True)
+        >>> logits, loss = model(idx, targets)   # idx, targets: the global batch
+    """
+    if mesh.ndim > 2:
+        _tp_dim(mesh, None)  # raises with the fix
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 2 and not {"dp", "tp"} <= set(names):
+        raise ValueError(f"parallelize on a 2-D mesh needs dims named 'dp' and 'tp', got "
+                         f"{mesh._dims_text()}; use init_device_mesh('cpu', (dp, tp), "
+                         f"mesh_dim_names=('dp', 'tp')).")
+    dp = mesh._dim("dp") if "dp" in names else None
+    tp = None if (mesh.ndim == 1 and dp == 0) else _tp_dim(mesh, None)
+    if fsdp and dp is None:
+        raise ValueError(f"fsdp=True shards parameters over a 'dp' mesh dim, and mesh "
+                         f"{mesh._dims_text()} has none; name one 'dp'.")
+    plan = {}
+    if tp is not None:
+        parts = _gpt_parts(model)
+        _check_divisible(parts, mesh.size(tp))
+        plan = gpt_plan(sequence_parallel, loss_parallel)
+        parallelize_module(model, mesh, plan, tp_dim=tp)
+    for name, m in model.named_modules():  # what the plan left: Replicate everywhere
+        for n, p in list(m._parameters.items()):
+            if p is not None and not isinstance(p, DTensor):
+                distribute_param(m, n, mesh, 0, Replicate())
+    if fsdp:
+        _shard_params_fsdp(model, mesh, dp, tp)
+
+    def around(inner, *args, **kwargs):
+        args = tuple(_batch_input(a, mesh, dp) for a in args)
+        kwargs = {k: _batch_input(v, mesh, dp) for k, v in kwargs.items()}
+        with ExitStack() as stack:
+            stack.enter_context(implicit_replication())  # position ids are a plain arange
+            if loss_parallel and tp is not None:
+                stack.enter_context(_loss_parallel())
+            return inner(*args, **kwargs)
+
+    _wrap_forward(model, around)
+    if os.environ.get("DTENSOR_DEBUG", "0") not in ("", "0") and mesh.get_rank() == 0:
+        print(_describe(model, plan, mesh, fsdp), flush=True)
+    return model

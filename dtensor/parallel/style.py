@@ -1,0 +1,278 @@
+"""Parallel styles (PyTorch's names, arguments and defaults).
+
+A style does two things to the module it is applied to: it lays the module's parameters out
+over the mesh, and it converts activations at the module's boundary (forward pre- and post-hooks).
+All the math inside runs through the op registry, so every other collective comes from the
+sharding rules.
+
+Layouts name ONE placement: the one on the tensor-parallel mesh dim. On a 2-D ("dp", "tp") mesh
+the other dim keeps whatever the activation already has (the batch stays Shard(0) over "dp")
+and parameters are Replicate over it (``parallelize(fsdp=True)`` shards them instead).
+
+    ColwiseParallel   Linear weight Shard(0) (output features), bias Shard(0); Embedding weight
+                      Shard(1). Input Replicate, output Shard(-1).
+    RowwiseParallel   Linear weight Shard(1) (input features), bias Replicate; Embedding weight
+                      Shard(0) (vocab-parallel). Input Shard(-1) (Replicate for Embedding);
+                      the output is Partial and leaves as Replicate (all-reduce) or, given
+                      output_layouts=Shard(1), as sequence shards (reduce-scatter).
+    SequenceParallel  parameters Replicate; input and output Shard(1) (norms, dropout).
+    PrepareModuleInput / PrepareModuleOutput
+                      convert a module's inputs / outputs. They always leave an autograd
+                      boundary, so a Partial gradient arriving there is reduced once for every
+                      consumer inside the module (q, k and v share one all-reduce).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from dtensor.dtensor import DTensor, distribute_tensor
+from dtensor.nn.layers import Embedding, Linear
+from dtensor.nn.module import Module, Parameter
+from dtensor.placements import Placement, Replicate, Shard
+from dtensor.tensor import TensorMethods
+
+__all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+           "PrepareModuleInput", "PrepareModuleOutput"]
+
+
+# ----------------------------------------------------------------------------- layout helpers
+
+def _with(placements, tp: int, p: Placement, ndim: int) -> tuple[Placement, ...]:
+    """``placements`` with mesh dim ``tp`` set to ``p`` (negative Shard dims resolved)."""
+    if isinstance(p, Shard):
+        p = Shard(p.dim % ndim)
+    out = list(placements)
+    out[tp] = p
+    return tuple(out)
+
+
+def to_layout(x, mesh, tp: int, src: Placement | None, dst: Placement | None, *,
+              boundary: bool = False, last_dim: int | None = None):
+    """Bring one activation to ``dst`` on mesh dim ``tp``.
+
+    A plain tensor is this rank's block laid out as ``src`` on ``tp`` (Replicate on the other
+    mesh dims) and becomes a DTensor with ``from_local``; ``last_dim``, the global size of its
+    last dim when the module knows it (a Linear's in_features), makes uneven shards exact.
+    ``boundary`` keeps an autograd node even when nothing moves, so the gradient is converted
+    back to the forward layout here.
+    """
+    if dst is None and src is None:
+        return x
+    if not isinstance(x, DTensor):
+        if not isinstance(x, TensorMethods) and not hasattr(x, "__array__"):
+            return x  # not a tensor (a flag, a shape): styles leave it alone
+        ndim = len(x.shape)
+        placements = _with([Replicate()] * mesh.ndim, tp, src or Replicate(), ndim)
+        shape = None
+        if last_dim is not None and placements[tp] == Shard(ndim - 1):
+            shape = tuple(x.shape[:-1]) + (last_dim,)
+        x = DTensor.from_local(x, mesh, placements, shape=shape)
+    if dst is None:
+        return x
+    target = _with(x.placements, tp, dst, x.ndim)
+    if target != x.placements or boundary:
+        x = x.redistribute(placements=target)
+    return x
+
+
+def _local_out(x, use_local_output: bool):
+    return x.to_local() if use_local_output and isinstance(x, DTensor) else x
+
+
+def distribute_param(module: Module, name: str, mesh, tp: int, p: Placement) -> None:
+    """Lay parameter ``name`` of ``module`` out as ``p`` on mesh dim ``tp`` (Replicate on the
+    other dims, or its current placement there if it is already a DTensor on ``mesh``)."""
+    param = module._parameters.get(name)
+    if param is None:
+        return
+    if isinstance(param, DTensor):
+        if param.device_mesh != mesh:
+            raise ValueError(f"parameter {name!r} already lives on {param.device_mesh}, not on "
+                             f"{mesh}; parallelize a module once, on one mesh.")
+        new = param.detach().redistribute(placements=_with(param.placements, tp, p, param.ndim))
+    else:
+        new = distribute_tensor(param.detach(), mesh,
+                                _with([Replicate()] * mesh.ndim, tp, p, param.ndim))
+    module._parameters[name] = Parameter(new)
+
+
+# ----------------------------------------------------------------------------- styles
+
+class ParallelStyle:
+    """Base class: ``apply(module, mesh, tp, path)`` lays out parameters and installs hooks."""
+
+    def apply(self, module: Module, mesh, tp: int, path: str) -> Module:
+        raise NotImplementedError
+
+    def _unsupported(self, module: Module, path: str, what: str):
+        return TypeError(f"{type(self).__name__} applies to {what}; plan key matched "
+                         f"{path or '<root>'!r}, a {type(module).__name__}. Apply it to the "
+                         f"Linear/Embedding submodules instead, or use PrepareModuleInput / "
+                         f"PrepareModuleOutput on this module.")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+class _LinearStyle(ParallelStyle):
+    _linear: tuple[Placement, Placement | None]  # weight, bias
+    _embedding: Placement
+    _in: Placement  # default input layout (Linear)
+    _out: Placement  # default output layout
+
+    def __init__(self, *, input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None, use_local_output: bool = True):
+        self.input_layouts, self.output_layouts = input_layouts, output_layouts
+        self.use_local_output = use_local_output
+
+    def apply(self, module, mesh, tp, path):
+        if isinstance(module, Linear):
+            w, b = self._linear
+            distribute_param(module, "weight", mesh, tp, w)
+            distribute_param(module, "bias", mesh, tp, b)
+            src = self.input_layouts or self._in
+            desired = self._in
+            features = module.in_features
+        elif isinstance(module, Embedding):
+            distribute_param(module, "weight", mesh, tp, self._embedding)
+            src = self.input_layouts or Replicate()
+            desired = Replicate()  # token ids are whole on every rank
+            features = None
+        else:
+            raise self._unsupported(module, path, "Linear and Embedding modules")
+        dst_out = self.output_layouts or self._default_out(module)
+
+        def pre(m, args):
+            return ((to_layout(args[0], mesh, tp, src, desired, last_dim=features),)
+                    + tuple(args[1:]))
+
+        def post(m, args, out):
+            return _local_out(to_layout(out, mesh, tp, None, dst_out), self.use_local_output)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+        return module
+
+    def _default_out(self, module) -> Placement:
+        return self._out
+
+
+class ColwiseParallel(_LinearStyle):
+    """Shard a Linear's output features (an Embedding's embedding dim) over the mesh."""
+
+    _linear = (Shard(0), Shard(0))
+    _embedding = Shard(1)
+    _in = Replicate()
+    _out = Shard(-1)
+
+
+class RowwiseParallel(_LinearStyle):
+    """Shard a Linear's input features (an Embedding's rows: vocab-parallel) over the mesh."""
+
+    _linear = (Shard(1), Replicate())
+    _embedding = Shard(0)
+    _in = Shard(-1)
+    _out = Replicate()
+
+
+class SequenceParallel(ParallelStyle):
+    """Run a module (norm, dropout) on sequence shards: parameters Replicate, the input and
+    output Shard(sequence_dim). The parameters' gradients then arrive Partial and are all-reduced
+    when stored (the leaf keeps its Replicate layout)."""
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        self.sequence_dim, self.use_local_output = sequence_dim, use_local_output
+
+    def apply(self, module, mesh, tp, path):
+        for name in list(module._parameters):
+            distribute_param(module, name, mesh, tp, Replicate())
+        seq = Shard(self.sequence_dim)
+
+        def pre(m, args):
+            return (to_layout(args[0], mesh, tp, seq, seq),) + tuple(args[1:])
+
+        def post(m, args, out):
+            return _local_out(to_layout(out, mesh, tp, None, seq), self.use_local_output)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+        return module
+
+
+def _per_arg(layouts, name: str) -> tuple:
+    if layouts is None:
+        return ()
+    return tuple(layouts) if isinstance(layouts, Sequence) else (layouts,)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Convert positional (and keyword) inputs from ``input_layouts`` to
+    ``desired_input_layouts``; None entries are left alone. Parameters are not touched."""
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None,
+                 input_kwarg_layouts: dict | None = None,
+                 desired_input_kwarg_layouts: dict | None = None, use_local_output: bool = False):
+        self.input_layouts = _per_arg(input_layouts, "input_layouts")
+        self.desired_input_layouts = _per_arg(desired_input_layouts, "desired_input_layouts")
+        if len(self.input_layouts) != len(self.desired_input_layouts):
+            raise ValueError(f"PrepareModuleInput: input_layouts {self.input_layouts} and "
+                             f"desired_input_layouts {self.desired_input_layouts} must have one "
+                             f"entry per positional input (None to leave one alone).")
+        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        self.use_local_output = use_local_output
+
+    def _convert(self, x, mesh, tp, src, dst):
+        return _local_out(to_layout(x, mesh, tp, src, dst, boundary=True), self.use_local_output)
+
+    def apply(self, module, mesh, tp, path):
+        pairs = list(zip(self.input_layouts, self.desired_input_layouts))
+
+        def pre(m, args):
+            head = tuple(self._convert(a, mesh, tp, s, d) for a, (s, d) in zip(args, pairs))
+            return head + tuple(args[len(pairs):])
+
+        module.register_forward_pre_hook(pre)
+        if self.desired_input_kwarg_layouts:
+            inner = module.forward
+
+            def forward(*args, **kwargs):
+                kwargs = {k: self._convert(v, mesh, tp, self.input_kwarg_layouts.get(k),
+                                           self.desired_input_kwarg_layouts.get(k))
+                          if k in self.desired_input_kwarg_layouts else v
+                          for k, v in kwargs.items()}
+                return inner(*args, **kwargs)
+
+            module.__dict__["forward"] = forward
+        return module
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Convert a module's output(s) from ``output_layouts`` to ``desired_output_layouts``."""
+
+    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
+        self.output_layouts = _per_arg(output_layouts, "output_layouts")
+        self.desired_output_layouts = _per_arg(desired_output_layouts, "desired_output_layouts")
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise ValueError(f"PrepareModuleOutput: output_layouts {self.output_layouts} and "
+                             f"desired_output_layouts {self.desired_output_layouts} must have "
+                             f"the same length.")
+        self.use_local_output = use_local_output
+
+    def apply(self, module, mesh, tp, path):
+        pairs = list(zip(self.output_layouts, self.desired_output_layouts))
+
+        def post(m, args, out):
+            single = not isinstance(out, tuple)
+            outs = (out,) if single else out
+            if len(outs) != len(pairs):
+                raise ValueError(f"PrepareModuleOutput on {path or '<root>'!r}: the module "
+                                 f"returned {len(outs)} outputs but {len(pairs)} layouts were "
+                                 f"given.")
+            conv = tuple(_local_out(to_layout(o, mesh, tp, s, d, boundary=True),
+                                    self.use_local_output) for o, (s, d) in zip(outs, pairs))
+            return conv[0] if single else conv
+
+        module.register_forward_hook(post)
+        return module

@@ -20,7 +20,7 @@ from dtensor.tensor import TensorMethods
 
 __all__ = ["parallelize_module", "parallelize"]
 
-_PLAN_EXAMPLE = """    from dtensor.parallel import parallelize_module, ColwiseParallel, RowwiseParallel
+_PLAN_EXAMPLE = """    from dtensor.parallel import *
     parallelize_module(model, mesh, {
         "layers.*.fc1": ColwiseParallel(use_local_output=False),
         "layers.*.fc2": RowwiseParallel(use_local_output=False),

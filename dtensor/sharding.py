@@ -8,8 +8,10 @@ data where it is; a candidate that would shard an input along a dim no input is 
 on is not considered (ops follow their inputs' layout, as in PyTorch). Results are cached on
 (op, input specs, params).
 
-A reduction or contraction over a sharded dim gives Partial. An op without a rule raises
-NotImplementedError naming the op and the placements.
+A reduction or contraction over a sharded dim gives Partial. An op may name a template input
+(``meta["template"]``: the weight whose gradient index_add builds, the input whose gradient
+scatter_add builds): only its shape is read, it never moves, and the result takes its layout.
+An op without a rule raises NotImplementedError naming the op and the placements.
 """
 from __future__ import annotations
 

@@ -2,13 +2,17 @@
 library's own docstrings, gathered deterministically (sorted files, parsed with ast, never
 imported).
 
-    python examples/train.py                      # ~100 s on 2 cores; loss ~4.6 -> ~2.1
-    dtlaunch --nproc 2 examples/train.py          # data parallel: the same loss curve
+    python examples/train.py                        # one process; loss ~4.6 -> ~2.1
+    dtlaunch --nproc 8 examples/train.py            # 2-D mesh: dp=4 x tp=2, the same loss curve
+    dtlaunch --nproc 4 examples/train.py --tp 2 --dp 2 --sp --fsdp
     python examples/train.py --steps 100 --n-layer 2
     python examples/train.py --help
 
-Under dtlaunch the parameters are replicated over a ("dp",) mesh and each rank takes its rows of
-the same global batch (Shard(0)); the gradient all-reduce falls out of the sharding rules.
+Under dtlaunch the model goes through dtensor.parallel.parallelize on a ("dp", "tp") mesh:
+Megatron tensor parallelism over "tp" (optionally sequence parallel, --sp), data parallelism
+over "dp" (parameters replicated, or sharded with --fsdp). Every rank draws the same global
+batch; each "dp" rank computes on its rows. By default tp is 2 (when the ranks and heads allow)
+and dp takes the rest.
 
 Every flag maps to a field of TrainConfig; the model is dtensor.nn.GPT.
 """
@@ -49,6 +53,10 @@ class TrainConfig:
     eval_every: int = 100
     seed: int = 1337
     sample_chars: int = 300
+    tp: int = 0  # 0: 2 if the ranks and heads allow, else 1
+    dp: int = 0  # 0: the ranks tp leaves
+    sp: bool = False
+    fsdp: bool = False
 
 
 # ----------------------------------------------------------------------------- data
@@ -118,37 +126,41 @@ def progress(step: int, total: int, width: int = 20) -> str:
     return "[" + "#" * done + "-" * (width - done) + f"] {100 * step / total:5.1f}%"
 
 
-def run(model, x, y, mesh):
-    """Forward on a batch; under a "dp" mesh each rank takes its rows (Shard(0))."""
-    if mesh is None:
-        return model(x, y)
-    n, r = x.shape[0] // mesh.size(), mesh.get_local_rank()
-    rows = slice(r * n, (r + 1) * n)
-    x, y = (dtensor.DTensor.from_local(a[rows], mesh, [dtensor.Shard(0)]) for a in (x, y))
-    with dtensor.implicit_replication():  # position ids are a plain arange on every rank
-        return model(x, y)
-
-
-def evaluate(model, data: CharData, cfg: TrainConfig, mesh, batches: int = 4) -> float:
+def evaluate(model, data: CharData, cfg: TrainConfig, batches: int = 4) -> float:
     model.eval()
     with dtensor.no_grad():
-        losses = [run(model, *data.batch("val", cfg.batch_size, cfg.block_size), mesh)[1].item()
+        losses = [model(*data.batch("val", cfg.batch_size, cfg.block_size))[1].item()
                   for _ in range(batches)]
     model.train()
     return float(np.mean(losses))
 
 
+def mesh_shape(cfg: TrainConfig, world: int) -> tuple[int, int]:
+    """(dp, tp) for ``world`` ranks, filling in the flags left at 0."""
+    tp = cfg.tp or (2 if world % 2 == 0 and cfg.n_head % 2 == 0 else 1)
+    dp = cfg.dp or world // tp
+    if dp * tp != world:
+        raise ValueError(f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but this job has {world}; "
+                         f"launch with dtlaunch --nproc {dp * tp} or change the flags.")
+    if cfg.batch_size % dp:
+        raise ValueError(f"--batch-size {cfg.batch_size} must divide over dp={dp} ranks.")
+    return dp, tp
+
+
 def main(argv=None) -> float:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in dataclasses.fields(TrainConfig):
-        ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            ap.add_argument(flag, action="store_true")
+        else:
+            ap.add_argument(flag, type=type(f.default), default=f.default)
     cfg = TrainConfig(**vars(ap.parse_args(argv)))
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     print_ = print if rank == 0 else (lambda *a, **k: None)
-    if cfg.batch_size % world:
-        raise ValueError(f"--batch-size {cfg.batch_size} must divide over {world} ranks.")
+    dp, tp = mesh_shape(cfg, world)
     dtensor.manual_seed(cfg.seed)
     t0 = time.perf_counter()
     data = CharData(stdlib_docstrings(cfg.corpus_chars), cfg.seed)
@@ -158,10 +170,12 @@ def main(argv=None) -> float:
     model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=data.vocab_size,
                           n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                           dropout=cfg.dropout))
-    mesh = None
     if world > 1:
-        mesh = dtensor.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        dtensor.distribute_module(model, mesh)  # every parameter Replicate over "dp"
+        from dtensor.parallel import parallelize
+        mesh = dtensor.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh, sequence_parallel=cfg.sp, fsdp=cfg.fsdp)
+        print_(f"mesh: dp={dp} x tp={tp}{' sequence-parallel' if cfg.sp else ''}"
+               f"{' fsdp' if cfg.fsdp else ''}")
     print_(f"model: {model.num_params(non_embedding=False):,} parameters; "
           f"initial loss should be near ln({data.vocab_size}) = {math.log(data.vocab_size):.2f}")
     opt = dtensor.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -171,7 +185,7 @@ def main(argv=None) -> float:
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        _, loss = run(model, *data.batch("train", cfg.batch_size, cfg.block_size), mesh)
+        _, loss = model(*data.batch("train", cfg.batch_size, cfg.block_size))
         loss.backward()
         dtensor.optim.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -185,16 +199,16 @@ def main(argv=None) -> float:
                   flush=True)
             t_last = now
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            val = evaluate(model, data, cfg, mesh)
+            val = evaluate(model, data, cfg)
             print_(f"step {step:5d} val loss {val:.4f}", flush=True)
 
-    val = evaluate(model, data, cfg, mesh)
+    val = evaluate(model, data, cfg)
     print_(f"final: train loss {loss_val:.4f}, val loss {val:.4f}, "
           f"{time.perf_counter() - t0:.0f}s total")
-    prompt = np.array([[data.stoi[c] for c in "Return the "]])
+    # One copy of the prompt per "dp" rank (the batch is split over "dp"); print the first.
+    prompt = np.array([[data.stoi[c] for c in "Return the "]] * dp)
     model.eval()
-    with dtensor.implicit_replication():  # the prompt is a plain array on every rank
-        out = model.generate(prompt, cfg.sample_chars, temperature=0.8, top_k=20)
+    out = model.generate(prompt, cfg.sample_chars, temperature=0.8, top_k=20)
     print_("sample:\n" + data.decode(out[0].tolist()))
     return val
 

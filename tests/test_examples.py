@@ -23,13 +23,20 @@ def losses(text):
     return [float(x) for x in re.findall(r"loss (\d+\.\d+)  lr", text)]
 
 
+@pytest.fixture(scope="module")
+def one_process_run():
+    return run([sys.executable, "examples/train.py", *SMALL])[1]
+
+
 @pytest.mark.timeout(300)
-def test_data_parallel_training_matches_one_process():
-    _, one = run([sys.executable, "examples/train.py", *SMALL])
-    _, two = run([*DTLAUNCH, "--nproc", "2", "examples/train.py", *SMALL])
-    ref, dp = losses(one), losses(two)
-    assert ref and len(ref) == len(dp), (one[-2000:], two[-2000:])
-    assert dp == pytest.approx(ref, rel=1e-5), (ref, dp)
+@pytest.mark.parametrize("layout", [["--nproc", "2"], ["--nproc", "4", "--sp", "--fsdp"]],
+                         ids=["tp2", "dp2xtp2-sp-fsdp"])
+def test_parallel_training_matches_one_process(one_process_run, layout):
+    nproc, flags = layout[:2], layout[2:]
+    _, par = run([*DTLAUNCH, *nproc, "examples/train.py", *SMALL, *flags])
+    ref, got = losses(one_process_run), losses(par)
+    assert ref and len(ref) == len(got), (one_process_run[-2000:], par[-2000:])
+    assert got == pytest.approx(ref, rel=1e-5), (ref, got)
 
 
 @pytest.mark.timeout(120)

@@ -1,1 +1,20 @@
-"""Kernel compilation helpers (imported as ``dtensor.compile``)."""
+"""``dtensor.compile``: trace a function (a whole train step included) into a per-rank graph,
+run passes over it and generate code (see compile/api.py).
+
+The module itself is callable, as torch.compile: ``dtensor.compile(fn)`` or ``@dtensor.compile``.
+Submodules: graph (IR), trace, passes, numpy_backend, triton_adapter.
+"""
+import sys
+import types
+
+from dtensor.compile.api import Compiled, TracingError, compile
+
+__all__ = ["compile", "Compiled", "TracingError"]
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, fn=None, **options):
+        return compile(fn, **options)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -384,6 +384,9 @@ def _interpret(op: Op, args, params):
         entry = _CACHE[key] = _plan(op, args, params)
     targets, out_spec, local_params, fn, in_specs = entry
     locals_ = [a._local_as(t) if t is not None else a for a, t in zip(args, targets)]
+    if registry._trace is not None:
+        return DTensor._make(registry._trace.local(op, fn, locals_, local_params, in_specs,
+                                                   out_spec), out_spec)
     if fn is None:
         out = op.impl(*locals_, **local_params)
     else:
@@ -542,7 +545,9 @@ def distribute_tensor(tensor, device_mesh: DeviceMesh, placements: Sequence[Plac
     spec = DTensorSpec(device_mesh, tuple(Replicate() for _ in placements), tuple(t.shape),
                        arr.dtype)
     local = redistribute_local(arr, spec, placements)
-    out = DTensor._make(np.ascontiguousarray(local), replace(spec, placements=placements))
+    if isinstance(local, np.ndarray):
+        local = np.ascontiguousarray(local)
+    out = DTensor._make(local, replace(spec, placements=placements))
     out.requires_grad = t.requires_grad
     return out
 

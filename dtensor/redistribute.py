@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from dtensor.ops import registry
 from dtensor.placements import Partial, Placement, Replicate, Shard, shard_size_and_offset
 
 __all__ = ["redistribute_local", "local_shape_and_offset", "transition_cost", "dim_extent"]
@@ -74,6 +75,8 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
     cur = [t if n == 1 else p for p, t, n in zip(src, tgt, mesh.shape)]
     if cur == tgt:
         return local
+    if registry._trace is not None and type(local) is not np.ndarray:
+        return registry._trace.comm(local, spec, tuple(placements))
     nd = mesh.ndim
     _debug(f"redistribute {tuple(shape)} {spec.dtype}: {list(src)} -> {list(placements)} "
            f"({int(np.prod(shape)) * np.dtype(spec.dtype).itemsize} bytes)")

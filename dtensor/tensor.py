@@ -370,7 +370,7 @@ class Tensor(TensorMethods):
         return pw.add(self, 0)  # a recorded copy keeps the gradient path
 
     def _ones_like(self) -> "Tensor":
-        return Tensor._wrap(np.ones_like(self.data))
+        return Tensor._wrap(np.ones(self.data.shape, self.data.dtype))
 
     # -- in-place updates (optimizers, init). They change the values, never the graph.
     def copy_(self, src) -> "Tensor":
@@ -401,6 +401,8 @@ class Tensor(TensorMethods):
         C-ordered copy (a weight's gradient arrives as the transpose of a GEMM result; the
         optimizer then streams it in the parameter's own order)."""
         d = self.data
+        if type(d) is not np.ndarray:  # traced by dtensor.compile: no memory to share yet
+            return self
         if d.base is None and d.flags.writeable and d.flags.c_contiguous and id(self) not in taken:
             taken.add(id(self))
             return self

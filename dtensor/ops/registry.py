@@ -96,6 +96,16 @@ _wrap: Callable[[np.ndarray], Any] = None  # type: ignore[assignment]
 _CONVERTERS: dict[type, Callable] = {}
 
 
+# The active tracer of dtensor.compile (None when not tracing): eager impl calls, DTensor local
+# kernels and redistributes report to it instead of running (compile/trace.py).
+_trace = None
+
+
+def set_trace_hooks(tracer) -> None:
+    global _trace
+    _trace = tracer
+
+
 def register_interpreter(cls: type, interpret: Callable, convert: Callable | None = None) -> None:
     _INTERPRETERS[cls] = interpret
     if convert is not None:
@@ -127,6 +137,11 @@ def apply(op: Op, *args, **params):
         args = convert(args)
     if interp is None:
         arrays = [a.data if type(a) in eager else a for a in args]
+        if _trace is not None:
+            out = _wrap(_trace.eager(op, arrays, params))
+            if needs_grad and op.vjp is not None:
+                autograd.record(op, args, params, out)
+            return out
         try:
             out = _wrap(op.impl(*arrays, **params))
         except (ValueError, IndexError) as e:

@@ -187,7 +187,7 @@ index_add = defop(
     abstract=lambda g, idx, like: Aval((like.shape[0],) + tuple(g.shape[idx.ndim:]), g.dtype),
     vjp=lambda g2, out, g, idx, like: (index_select(g2, idx), None, None),
     linearity="all", shard="index_add", lower="extern:index_add", nondiff=(1, 2),
-    meta={"template": 2})
+    template=2)
 
 # ---------------------------------------------------------------- gather / scatter along a dim
 # torch.gather semantics: out[..., j] = x[..., idx[..., j]] along ``axis``.
@@ -228,7 +228,7 @@ scatter_add = defop(
               for d, n in enumerate(g.shape)), g.dtype),
     vjp=lambda g2, out, g, idx, like, axis: (gather(g2, idx, axis=axis), None, None),
     linearity="all", shard="scatter_add", lower="extern:scatter_add", nondiff=(1, 2),
-    meta={"template": 2})
+    template=2)
 
 # ---------------------------------------------------------------- random factories
 # Random values are a pure function of (key, global flat index): see dtensor/random.py. The

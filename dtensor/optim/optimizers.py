@@ -3,6 +3,7 @@ can be traced by the compiler. Updates replace parameter values (``_assign``), n
 graph, and never write into a gradient (a gradient tensor may be shared)."""
 from __future__ import annotations
 
+import functools
 import math
 
 from dtensor.autograd import no_grad
@@ -10,8 +11,27 @@ from dtensor.ops.nn import adamw_step
 
 __all__ = ["Optimizer", "SGD", "AdamW"]
 
+# dtensor.compile sets this while tracing: per-step scalars (AdamW's learning rate and bias
+# corrections) then become values the compiled step recomputes on every call.
+_scalar_hook = None
+
+
+def set_scalar_hook(hook):
+    """Install ``hook(make) -> dict`` (None to remove); returns the previous one."""
+    global _scalar_hook
+    prev, _scalar_hook = _scalar_hook, hook
+    return prev
+
+
+def _step_scalars(make) -> dict:
+    return make() if _scalar_hook is None else _scalar_hook(make)
+
 
 class Optimizer:
+    # Group entries a compiled step reads on every call (others are compiled in as constants,
+    # and changing them recompiles).
+    dynamic_hyperparameters: tuple[str, ...] = ()
+
     def __init__(self, params, defaults: dict):
         params = list(params)
         if not params:
@@ -90,14 +110,22 @@ class AdamW(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
 
+    dynamic_hyperparameters = ("lr",)
+
+    def _scalars(self, p, group) -> dict:
+        """This step's learning rate and bias corrections; advances the parameter's step."""
+        b1, b2 = group["betas"]
+        state = self.state.setdefault(p, {})
+        t = state["step"] = state.get("step", 0) + 1
+        return {"lr": group["lr"], "bc1": 1.0 - b1 ** t, "bc2": 1.0 - b2 ** t}
+
     def _update(self, p, g, state, group):
         (b1, b2) = group["betas"]
-        t = state["step"] = state.get("step", 0) + 1
+        scalars = _step_scalars(functools.partial(self._scalars, p, group))
         if "exp_avg" not in state:
             state["exp_avg"] = state["exp_avg_sq"] = g * 0.0
         # One fused op: reads p, g, m, v once and returns the three new values stacked.
-        new = adamw_step(p, g, state["exp_avg"], state["exp_avg_sq"], lr=group["lr"], beta1=b1,
-                         beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
-                         bc1=1.0 - b1 ** t, bc2=1.0 - b2 ** t)
+        new = adamw_step(p, g, state["exp_avg"], state["exp_avg_sq"], beta1=b1, beta2=b2,
+                         eps=group["eps"], weight_decay=group["weight_decay"], **scalars)
         p._assign(new[0])
         state["exp_avg"], state["exp_avg_sq"] = new[1], new[2]

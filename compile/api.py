@@ -1,0 +1,442 @@
+"""``dtensor.compile(fn)``: trace once per input signature, run generated code after.
+
+``fn`` is a Module (its forward) or a function such as a whole train step; the modules and
+optimizers it reaches through its closure and globals are found and their parameters, gradients
+and optimizer state become graph inputs and outputs, updated in place after each call exactly as
+eager updates them. The pipeline (DTENSOR_DEBUG=2 prints the graph after each step, =3 the
+generated code, on rank 0):
+
+    trace (compile/trace.py) -> dce -> cse -> bucket_all_reduces -> numpy codegen
+
+Example:
+    >>> @dtensor.compile
+    ... def train_step(x, y):
+    ...     _, loss = model(x, y)
+    ...     loss.backward(); opt.step(); opt.zero_grad()
+    ...     return loss
+    >>> train_step(x, y).item()
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+
+import numpy as np
+
+from dtensor.compile import numpy_backend, passes
+from dtensor.compile.trace import Traced, Tracer, TracingError
+
+__all__ = ["compile", "Compiled", "TracingError"]
+
+PASSES = (("dce", passes.dce), ("cse", passes.cse),
+          ("bucket_all_reduces", passes.bucket_all_reduces))
+RECOMPILE_WARN = 4  # warn when one function has compiled this many times
+
+
+def _debug_level() -> int:
+    try:
+        return int(os.environ.get("DTENSOR_DEBUG", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+# ----------------------------------------------------------------------------- what fn touches
+
+def _reachable(fn) -> list:
+    """Objects fn names through its closure, its globals and (for a bound method) its self."""
+    from dtensor.nn.module import Module
+    if isinstance(fn, Module):
+        return [fn]
+    objs = []
+    if getattr(fn, "__self__", None) is not None:
+        objs.append(fn.__self__)
+        fn = fn.__func__
+    code = getattr(fn, "__code__", None)
+    for cell in getattr(fn, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):
+            objs.append(cell.cell_contents)
+    if code is not None:
+        g = fn.__globals__
+        objs += [g[n] for n in code.co_names if n in g]
+    return objs
+
+
+class _Env:
+    """The modules, optimizers and parameters a call reaches, in a fixed order."""
+
+    def __init__(self, fn):
+        from dtensor.nn.module import Module
+        from dtensor.optim import Optimizer
+        objs = _reachable(fn)
+        self.modules = [o for o in objs if isinstance(o, Module)]
+        self.optimizers = [o for o in objs if isinstance(o, Optimizer)]
+        params, seen = [], set()
+        for m in self.modules:
+            for _, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+        self.params = params
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "_spec")
+
+
+def _data(t):
+    return t._loc() if _is_dtensor(t) else t.data
+
+
+def _set_data(t, arr) -> None:
+    if _is_dtensor(t):
+        t._set_local(arr)
+    else:
+        t.data = arr
+
+
+def _sig(x):
+    """What about a value makes a different graph."""
+    if _is_dtensor(x):
+        s = x._spec
+        return ("dtensor", s.shape, str(s.dtype), s.placements, s.mesh, x.requires_grad)
+    if hasattr(x, "data") and isinstance(getattr(x, "data"), np.ndarray):
+        return ("tensor", x.data.shape, str(x.data.dtype), x.requires_grad)
+    if isinstance(x, np.ndarray):
+        return ("array", x.shape, str(x.dtype))
+    try:
+        hash(x)
+        return ("value", x)
+    except TypeError:
+        return ("object", id(x))
+
+
+def _key(fn, env: _Env, args, kwargs):
+    state = []
+    for opt in env.optimizers:
+        for group in opt.param_groups:
+            hyper = tuple(sorted((k, v) for k, v in group.items()
+                                 if k != "params" and k not in opt.dynamic_hyperparameters))
+            state.append(("group", hyper))
+            for p in group["params"]:
+                st = opt.state.get(p, {})
+                state.append(tuple(sorted((k, _sig(v) if hasattr(v, "shape") else "py")
+                                          for k, v in st.items())))
+    return (("args", tuple(_sig(a) for a in args)),
+            ("kwargs", tuple(sorted((k, _sig(v)) for k, v in kwargs.items()))),
+            ("params", tuple(_sig(p) for p in env.params)),
+            ("grads", tuple(None if p.grad is None else _sig(p.grad) for p in env.params)),
+            ("training", tuple(m.training for m in env.modules)),
+            ("optimizer", tuple(state)))
+
+
+def _diff(old, new) -> str:
+    for (name, a), (_, b) in zip(old, new):
+        if a != b:
+            for i, (x, y) in enumerate(zip(a, b)):
+                if x != y:
+                    return f"{name}[{i}] changed from {x} to {y}"
+            return f"{name} changed"
+    return "unknown"
+
+
+# ----------------------------------------------------------------------------- tracing
+
+class _Writeback:
+    """Where an output goes after a call: a parameter, a gradient, an optimizer state entry,
+    or the function's result."""
+
+    def __init__(self, kind, target, key=None, like=None):
+        self.kind, self.target, self.key, self.like = kind, target, key, like
+
+
+def _rebuild(like, arr):
+    """A tensor of ``like``'s kind (and DTensor spec) around ``arr``."""
+    if _is_dtensor(like):
+        from dtensor.dtensor import DTensor
+        return DTensor._make(arr, like._spec)
+    from dtensor.tensor import Tensor
+    return Tensor._wrap(arr)
+
+
+def _flatten(result, leaves):
+    """``result`` with its tensors replaced by indices into ``leaves``."""
+    from dtensor.tensor import TensorMethods
+    if isinstance(result, TensorMethods):
+        leaves.append(result)
+        return ("leaf", len(leaves) - 1)
+    if isinstance(result, (tuple, list)):
+        return (type(result), [_flatten(r, leaves) for r in result])
+    if isinstance(result, dict):
+        return (dict, {k: _flatten(v, leaves) for k, v in result.items()})
+    return ("const", result)
+
+
+def _unflatten(tree, values):
+    tag, body = tree
+    if tag == "leaf":
+        return values[body]
+    if tag == "const":
+        return body
+    if tag is dict:
+        return {k: _unflatten(v, values) for k, v in body.items()}
+    return tag(_unflatten(v, values) for v in body)
+
+
+class _Entry:
+    """One compiled graph: its generated code and how to feed and unpack it."""
+
+    def __init__(self, graph, run, path, tables, feeds, writebacks, tree, compile_s):
+        self.graph, self.run_fn, self.path, self.tables = graph, run, path, tables
+        self.feeds, self.writebacks, self.tree = feeds, writebacks, tree
+        self.compile_s = compile_s
+
+    def __call__(self, args, kwargs):
+        inputs = [feed(args, kwargs) for feed in self.feeds]
+        slots = [make() for make in self.graph.slots]
+        outs = self.run_fn(inputs, slots, self.tables["F"], self.tables["K"])
+        values = []
+        for wb, arr in zip(self.writebacks, outs):
+            if wb.kind == "result":
+                values.append(_rebuild(wb.like, arr) if wb.like is not None else arr)
+            elif wb.kind == "param":
+                _set_data(wb.target, arr)
+            elif wb.kind == "grad":
+                wb.target.grad = _rebuild(wb.like, arr)
+            elif wb.kind == "state":
+                opt, p = wb.target
+                opt.state.setdefault(p, {})[wb.key] = _rebuild(wb.like, arr)
+        for wb in self.writebacks:
+            if wb.kind == "grad_none":
+                wb.target.grad = None
+        return _unflatten(self.tree, values)
+
+
+def _trace(fn, env: _Env, args, kwargs):
+    """Run ``fn`` once on traced data; returns (graph, feeds, writebacks, result tree)."""
+    from dtensor import random
+    from dtensor.dtensor import DTensor
+    from dtensor.tensor import Tensor, TensorMethods
+
+    tracer = Tracer()
+    restore_data = []  # (tensor, original array)
+    feeds = []
+
+    def traced_input(label, t, feed):
+        arr = _data(t)
+        tr = tracer.input(label, arr)
+        restore_data.append((t, arr))
+        _set_data(t, tr)
+        feeds.append(feed)
+        return tr
+
+    saved_state = {id(opt): (opt, {p: (s, dict(s)) for p, s in opt.state.items()})
+                   for opt in env.optimizers}
+    saved_grads = [(p, p.grad) for p in env.params]
+    saved_stream = (random._seed, random._stream)
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    gvars = getattr(getattr(fn, "__func__", fn), "__globals__", {})
+    watched = {n: id(gvars.get(n)) for n in (code.co_names if code else ()) if n in gvars}
+
+    def trace_arg(a, where):
+        if isinstance(a, DTensor):
+            tr = Traced(tracer.input(where, a._loc()).node)
+            feeds.append(lambda args, kwargs, _w=where: _get(args, kwargs, _w)._loc())
+            out = DTensor._make(tr, a._spec)
+            out.requires_grad = a.requires_grad
+            return out
+        if isinstance(a, Tensor) or isinstance(a, np.ndarray):
+            arr = a.data if isinstance(a, Tensor) else a
+            tr = tracer.input(where, arr)
+            feeds.append(lambda args, kwargs, _w=where: _arr(_get(args, kwargs, _w)))
+            out = Tensor._wrap(tr)
+            out.requires_grad = isinstance(a, Tensor) and a.requires_grad
+            return out
+        return a
+
+    with tracer, _patched_slots(tracer):
+        try:
+            for i, p in enumerate(env.params):
+                traced_input(f"param{i}", p, lambda a, k, _p=p: _data(_p))
+                if p.grad is not None:
+                    traced_input(f"grad{i}", p.grad, lambda a, k, _p=p: _data(_p.grad))
+            for opt in env.optimizers:
+                for p, st in opt.state.items():
+                    for k, v in st.items():
+                        if isinstance(v, TensorMethods):
+                            traced_input(f"{type(opt).__name__}.{k}", v,
+                                         lambda a, kw, _o=opt, _p=p, _k=k: _data(_o.state[_p][_k]))
+            targs = [trace_arg(a, ("arg", i)) for i, a in enumerate(args)]
+            tkwargs = {k: trace_arg(v, ("kwarg", k)) for k, v in kwargs.items()}
+            result = fn(*targs, **tkwargs)
+            changed = [n for n, i in watched.items() if id(gvars.get(n)) != i]
+            if changed:
+                raise TracingError(
+                    f"dtensor.compile: {getattr(fn, '__name__', fn)!r} rebinds the global(s) "
+                    f"{changed} while it runs; a compiled function replays only its tensor "
+                    f"work, so that assignment would happen once, at trace time. Keep such "
+                    f"state outside the compiled function, or return it.")
+            leaves = []
+            tree = _flatten(result, leaves)
+            outputs, writebacks = [], []
+
+            def out(value, wb):
+                if type(value) is Traced:
+                    outputs.append(value.node)
+                else:
+                    outputs.append(value)
+                writebacks.append(wb)
+
+            for leaf in leaves:
+                d = _data(leaf)
+                out(d, _Writeback("result", None, like=leaf))
+            for p in env.params:
+                d = _data(p)
+                if type(d) is Traced and d.node.kind != "input":
+                    out(d, _Writeback("param", p))
+            for p in env.params:
+                if p.grad is None:
+                    writebacks.append(_Writeback("grad_none", p))
+                else:
+                    out(_data(p.grad), _Writeback("grad", p, like=p.grad))
+            for opt in env.optimizers:
+                for p, st in opt.state.items():
+                    for k, v in st.items():
+                        if isinstance(v, TensorMethods):
+                            out(_data(v), _Writeback("state", (opt, p), key=k, like=v))
+        finally:
+            for t, arr in restore_data:
+                _set_data(t, arr)
+            for opt, states in saved_state.values():
+                opt.state.clear()
+                for p, (inner, contents) in states.items():
+                    inner.clear()
+                    inner.update(contents)
+                    opt.state[p] = inner
+            for p, g in saved_grads:
+                p.grad = g
+            random._seed, random._stream = saved_stream
+    graph = tracer.graph
+    graph.outputs = outputs
+    # grad_none write-backs have no output; keep the output/writeback pairing aligned
+    return graph, feeds, [w for w in writebacks if w.kind != "grad_none"], \
+        [w for w in writebacks if w.kind == "grad_none"], tree
+
+
+def _get(args, kwargs, where):
+    kind, k = where
+    return args[k] if kind == "arg" else kwargs[k]
+
+
+def _arr(a):
+    return a.data if hasattr(a, "data") and isinstance(a.data, np.ndarray) else np.asarray(a)
+
+
+@contextlib.contextmanager
+def _patched_slots(tracer: Tracer):
+    """Random keys and optimizer scalars become slots, recomputed on every call."""
+    from dtensor import random
+    from dtensor.optim import optimizers
+
+    real_next_key = random.next_key
+
+    def next_key():
+        real_next_key()  # advance as eager would (restored after tracing)
+        return tracer.slot("key", real_next_key)
+
+    def scalars(make):
+        values = make()  # the step count advances at trace time too (restored after)
+        i = tracer.slot("scalars", make).index
+        from dtensor.compile.graph import Slot
+        return {k: Slot(i, k) for k in values}
+
+    random.next_key = next_key
+    prev = optimizers.set_scalar_hook(scalars)
+    try:
+        yield
+    finally:
+        random.next_key = real_next_key
+        optimizers.set_scalar_hook(prev)
+
+
+# ----------------------------------------------------------------------------- compile
+
+class Compiled:
+    """A compiled function: call it as the original. ``.graphs`` holds the compiled graphs,
+    ``.compiles`` how many times it traced, ``.last`` the entry that ran last."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._cache: dict = {}
+        self._last_key = None
+        self.compiles = 0
+        self.last = None
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    @property
+    def graphs(self):
+        return [e.graph for e in self._cache.values()]
+
+    def __call__(self, *args, **kwargs):
+        env = _Env(self.fn)
+        key = _key(self.fn, env, args, kwargs)
+        entry = self._cache.get(key)
+        if entry is None:
+            if self._last_key is not None and self.compiles + 1 >= RECOMPILE_WARN:
+                warnings.warn(f"dtensor.compile: {self.__name__!r} compiled "
+                              f"{self.compiles + 1} times; this time because "
+                              f"{_diff(self._last_key, key)}. Inputs whose shapes change on "
+                              f"every call recompile every call: pad them to fixed shapes.",
+                              stacklevel=2)
+            entry = self._cache[key] = self._compile(env, args, kwargs)
+        self._last_key = key
+        self.last = entry
+        return entry(args, kwargs)
+
+    def _compile(self, env, args, kwargs) -> _Entry:
+        t0 = time.perf_counter()
+        fn = self.fn
+        graph, feeds, writebacks, nones, tree = _trace(fn, env, args, kwargs)
+        debug = _debug_level() >= 2 and _rank0()
+        if debug:
+            print(f"[dtensor.compile] {self.__name__}: traced\n{graph}", flush=True)
+        for name, p in PASSES:
+            graph = p(graph)
+            if debug:
+                print(f"[dtensor.compile] after {name}\n{graph}", flush=True)
+        source, tables = numpy_backend.generate(graph, self.__name__)
+        run, path = numpy_backend.load(source)
+        if _debug_level() >= 3 and _rank0():
+            print(f"[dtensor.compile] generated {path}\n{source}", flush=True)
+        self.compiles += 1
+        return _Entry(graph, run, path, tables, feeds, writebacks + nones, tree,
+                      time.perf_counter() - t0)
+
+
+def compile(fn=None, *, backend: str = "numpy"):
+    """Compile a Module or a function (a whole train step included); see the module docstring.
+
+    Usable as ``dtensor.compile(fn)`` or as a decorator ``@dtensor.compile``.
+    """
+    if backend != "numpy":
+        raise ValueError(f"dtensor.compile: unknown backend {backend!r}; 'numpy' is the CPU "
+                         f"backend (the Triton backend is issue 7's work).")
+    if fn is None:
+        return lambda f: Compiled(f)
+    if not callable(fn):
+        raise TypeError(f"dtensor.compile takes a function or a Module, got "
+                        f"{type(fn).__name__}.")
+    return Compiled(fn)
+

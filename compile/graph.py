@@ -1,0 +1,101 @@
+"""The compiler's IR: a per-rank graph of op calls and collectives, one node a line.
+
+A node is one call of an op's numpy ``impl`` (or of its DTensor local kernel) on this rank's
+blocks, or one collective (``redistribute``: a transition of the table in
+dtensor/redistribute.py), or a graph input. Node inputs are other nodes or constants; a param
+may be a ``Slot``, a value the runtime supplies on every call (a random key, the AdamW bias
+corrections of this step), so replaying the graph draws exactly what eager would.
+
+    %12 = matmul %10 %11                      (64, 128) float32
+    %13 = redistribute %12 [P(sum)] -> [R]    (64, 128) float32   # all_reduce
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["Node", "Graph", "Slot"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A param whose value the runtime computes before each call (slot ``index``)."""
+
+    index: int
+    name: str  # "key", "lr", "bc1", ...
+
+    def __repr__(self) -> str:
+        return f"${self.name}{self.index}"
+
+
+@dataclass(eq=False)
+class Node:
+    id: int
+    kind: str  # "input" | "op" | "comm"
+    name: str  # op name, "redistribute", or the input's label
+    inputs: list = field(default_factory=list)  # Node or constant
+    params: dict = field(default_factory=dict)
+    shape: tuple = ()
+    dtype: Any = None
+    fn: Callable | None = None  # what runs: impl, local kernel, or collective
+    note: str = ""  # placements, for printing
+
+    def __repr__(self) -> str:
+        return f"%{self.id}"
+
+
+def _arg(a) -> str:
+    if isinstance(a, Node):
+        return repr(a)
+    if isinstance(a, np.ndarray):
+        return f"const{tuple(a.shape)}"
+    return repr(a)
+
+
+@dataclass(eq=False)
+class Graph:
+    """Nodes in program order (a topological order); ``outputs`` are the values the runtime
+    returns: the function's result leaves, then parameter and state write-backs."""
+
+    inputs: list[Node] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list = field(default_factory=list)  # Node or constant
+    slots: list = field(default_factory=list)  # runtime slot makers, by Slot.index
+    _next: int = 0
+
+    def new(self, kind: str, name: str, inputs=(), params=None, shape=(), dtype=None, fn=None,
+            note: str = "") -> Node:
+        node = Node(self._next, kind, name, list(inputs), dict(params or {}), tuple(shape),
+                    np.dtype(dtype) if dtype is not None else None, fn, note)
+        self._next += 1
+        (self.inputs if kind == "input" else self.nodes).append(node)
+        return node
+
+    def users(self) -> dict[int, list[Node]]:
+        out: dict[int, list[Node]] = {}
+        for n in self.nodes:
+            for a in n.inputs:
+                if isinstance(a, Node):
+                    out.setdefault(a.id, []).append(n)
+        return out
+
+    def count(self, name: str | None = None, kind: str | None = None) -> int:
+        return sum(1 for n in self.nodes if (name is None or n.name == name)
+                   and (kind is None or n.kind == kind))
+
+    def __str__(self) -> str:
+        lines = []
+        for n in self.inputs:
+            lines.append(f"{n!r:>5} = input {n.name:28s} {n.shape} {n.dtype}")
+        for n in self.nodes:
+            args = " ".join(_arg(a) for a in n.inputs)
+            params = " ".join(f"{k}={v!r}" for k, v in n.params.items()
+                              if k not in ("in_specs", "out_spec"))
+            text = f"{n.name} {args}" + (f" {params}" if params else "")
+            if n.note:
+                text += f" {n.note}"
+            lines.append(f"{n!r:>5} = {text:60s} {n.shape} {n.dtype}")
+        lines.append("return " + ", ".join(_arg(o) for o in self.outputs))
+        return "\n".join(lines)

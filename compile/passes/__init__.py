@@ -1,0 +1,5 @@
+"""Graph -> Graph passes, in the order the pipeline runs them (compile/api.py)."""
+from dtensor.compile.passes.collectives import bucket_all_reduces
+from dtensor.compile.passes.simplify import cse, dce
+
+__all__ = ["dce", "cse", "bucket_all_reduces"]

@@ -1,0 +1,200 @@
+"""Tracing: run the function once with ``Traced`` arrays in place of this rank's numpy data.
+
+Tracing happens where the eager code touches arrays, so everything above runs unchanged: the
+op registry and autograd (the backward and the optimizer update are traced too), the DTensor
+interpreter with its sharding rules, the parallel styles' hooks, and the redistribute table.
+What is recorded is therefore the per-rank program eager runs: every op ``impl`` (or DTensor
+local kernel) call and every collective, in order, with this rank's block shapes.
+
+Values that change from call to call without being arrays become ``Slot`` params that the
+runtime recomputes: random keys (``dtensor.random.next_key``) and optimizer scalars
+(``dtensor.optim``'s per-step learning rate and bias corrections).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+
+import numpy as np
+
+from dtensor.compile.graph import Graph, Node, Slot
+
+__all__ = ["Traced", "Tracer", "TracingError"]
+
+_PACKAGE_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
+                      for m in (sys.modules["dtensor"],)) + (os.path.dirname(__file__),)
+
+
+class TracingError(RuntimeError):
+    """The traced function did something a graph cannot hold."""
+
+
+def user_line() -> str:
+    """``file:line: code`` of the innermost frame outside dtensor itself."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_PACKAGE_DIRS[0] + os.sep + "dtensor") and \
+                not path.startswith(_PACKAGE_DIRS[-1]):
+            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "<unknown>"
+
+
+def _data_dependent(what: str):
+    raise TracingError(
+        f"dtensor.compile: {what} needs a value the traced graph only knows at run time, at "
+        f"{user_line()}. Python control flow and conversions must not depend on tensor values "
+        f"inside a compiled function: use dtensor.where(...) for a data-dependent choice, and "
+        f"read .item() on what the compiled function returns.")
+
+
+class Traced:
+    """Stands in for one numpy array of this rank while tracing: shape and dtype, no data."""
+
+    __slots__ = ("node",)
+    __array_priority__ = 1000
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    shape = property(lambda self: self.node.shape)
+    dtype = property(lambda self: self.node.dtype)
+    ndim = property(lambda self: len(self.node.shape))
+    size = property(lambda self: int(np.prod(self.node.shape)))
+    itemsize = property(lambda self: self.node.dtype.itemsize)
+
+    def __len__(self) -> int:
+        return self.node.shape[0]
+
+    def astype(self, dtype, copy: bool = True):
+        dtype = np.dtype(dtype)
+        if dtype == self.dtype:
+            return self
+        from dtensor.ops.pointwise import cast
+        return _ACTIVE.eager(cast, [self], {"dtype": dtype})
+
+    def __bool__(self):
+        _data_dependent("bool(tensor) (an if/while on a tensor)")
+
+    def __float__(self):
+        _data_dependent("float(tensor)")
+
+    def __int__(self):
+        _data_dependent("int(tensor)")
+
+    def __index__(self):
+        _data_dependent("using a tensor as an index")
+
+    def item(self):
+        _data_dependent(".item()")
+
+    def tolist(self):
+        _data_dependent(".tolist()")
+
+    def __array__(self, *a, **k):
+        _data_dependent("converting a tensor to numpy (.numpy(), np.asarray)")
+
+    def __array_ufunc__(self, *a, **k):
+        _data_dependent("a numpy function on a tensor's data")
+
+    def __array_function__(self, *a, **k):
+        _data_dependent("a numpy function on a tensor's data")
+
+    def __repr__(self) -> str:
+        return f"Traced({self.node!r}, {self.shape}, {self.dtype})"
+
+
+_ACTIVE: "Tracer | None" = None
+
+
+def _contains_traced(xs) -> bool:
+    return any(type(x) is Traced for x in xs)
+
+
+def _unwrap(x):
+    return x.node if type(x) is Traced else x
+
+
+def _spec_text(specs) -> str:
+    return " ".join("[" + ",".join(map(repr, s.placements)) + "]" if s is not None else "_"
+                    for s in specs)
+
+
+class Tracer:
+    """Records a graph while active (``with Tracer() as t: ...``)."""
+
+    def __init__(self):
+        self.graph = Graph()
+
+    def __enter__(self) -> "Tracer":
+        global _ACTIVE
+        from dtensor.ops import registry
+        if _ACTIVE is not None:
+            raise TracingError("dtensor.compile: a compiled function called while another one "
+                               "is being traced; compile the outer function only.")
+        _ACTIVE = self
+        registry.set_trace_hooks(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _ACTIVE
+        from dtensor.ops import registry
+        _ACTIVE = None
+        registry.set_trace_hooks(None)
+
+    # -- inputs and slots
+    def input(self, label: str, array: np.ndarray) -> Traced:
+        return Traced(self.graph.new("input", label, shape=array.shape, dtype=array.dtype))
+
+    def slot(self, name: str, make) -> Slot:
+        """A param recomputed by ``make()`` before every call (in trace order)."""
+        self.graph.slots.append(make)
+        return Slot(len(self.graph.slots) - 1, name)
+
+    # -- hooks the eager code calls while tracing
+    def eager(self, op, arrays, params):
+        """An eager op on arrays: recorded if any input is traced, else run now."""
+        if not _contains_traced(arrays):
+            return op.impl(*arrays, **params)
+        from dtensor.ops.registry import Aval
+        avals = [Aval(a.shape, a.dtype) if isinstance(a, (Traced, np.ndarray)) else a
+                 for a in arrays]
+        out = op.abstract(*avals, **params)
+        return Traced(self.graph.new("op", op.name, [_unwrap(a) for a in arrays], params,
+                                     out.shape, out.dtype, fn=op.impl))
+
+    def local(self, op, fn, locals_, params, in_specs, out_spec):
+        """A DTensor op on this rank's blocks (its impl, or its local kernel)."""
+        from dtensor.dtensor import _local_block
+        if not _contains_traced(locals_):  # constants only: compute now
+            return (op.impl(*locals_, **params) if fn is None else
+                    fn(*locals_, in_specs=in_specs, out_spec=out_spec, **params))
+        run = op.impl if fn is None else functools.partial(fn, in_specs=in_specs,
+                                                           out_spec=out_spec)
+        note = f"{_spec_text(in_specs)} -> {_spec_text([out_spec])}"
+        return Traced(self.graph.new("op", op.name, [_unwrap(a) for a in locals_], params,
+                                     _local_block(out_spec)[0], out_spec.dtype, fn=run,
+                                     note=note))
+
+    def comm(self, local, spec, placements):
+        """One redistribute of a block: collectives chosen by the transition table."""
+        from dataclasses import replace
+
+        from dtensor.dtensor import _local_block
+        from dtensor.redistribute import redistribute_local
+        dst = replace(spec, placements=tuple(placements))
+        note = f"{_spec_text([spec])} -> {_spec_text([dst])}"
+        return Traced(self.graph.new(
+            "comm", "redistribute", [_unwrap(local)], {"spec": spec, "placements": dst.placements},
+            _local_block(dst)[0], spec.dtype,
+            fn=functools.partial(_redistribute, spec=spec, placements=dst.placements,
+                                 impl=redistribute_local), note=note))
+
+
+def _redistribute(x, *, spec, placements, impl):
+    return impl(x, spec, placements)
+
+
+def active() -> "Tracer | None":
+    return _ACTIVE

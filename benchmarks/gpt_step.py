@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
     ap.add_argument("--fsdp", action="store_true", help="shard parameters over dp (with --dp)")
+    ap.add_argument("--compile", action="store_true", help="run the step through dtensor.compile")
     args = ap.parse_args()
 
     cfg = dtensor.nn.GPTConfig(vocab_size=4096, n_layer=4, n_embd=256, n_head=8, mlp_hidden=1024,
@@ -111,12 +112,17 @@ def main() -> None:
     idx = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
     targets = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
 
-    def step() -> float:
-        _, loss = model(idx, targets)
+    def train_step(x, y):
+        _, loss = model(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return loss.item()
+        return loss
+
+    run = dtensor.compile(train_step) if args.compile else train_step
+
+    def step() -> float:
+        return run(idx, targets).item()
 
     matmul_before = numpy_matmul_gflops()
     for _ in range(args.warmup):
@@ -135,8 +141,8 @@ def main() -> None:
     flops = step_flops(cfg, args.batch, args.seq)
     gflops = flops / med / 1e9
     record = {
-        "bench": "gpt_step", "mode": "eager", "ranks": world, "tp": args.tp, "dp": args.dp,
-        "sp": args.sp, "fsdp": args.fsdp,
+        "bench": "gpt_step", "mode": "compiled" if args.compile else "eager", "ranks": world,
+        "tp": args.tp, "dp": args.dp, "sp": args.sp, "fsdp": args.fsdp,
         "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
         "step_s_median": round(med, 4), "step_s_min": round(min(times), 4),
         "step_s_max": round(max(times), 4), "steps": args.steps,
@@ -144,6 +150,10 @@ def main() -> None:
         "gflop_per_step": round(flops / 1e9, 2), "gflops": round(gflops, 1),
         "numpy_matmul_gflops": round(matmul, 1),
         "ratio_to_matmul": round(gflops / matmul, 3),
+        # tracing + passes + codegen, summed over the graphs (the first step creates the
+        # optimizer state, so it has a graph of its own)
+        "compile_s": round(sum(e.compile_s for e in run._cache.values()), 3)
+        if args.compile else None,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "python": sys.version.split()[0], "numpy": np.__version__,
     }

@@ -4,6 +4,7 @@ run passes over it and generate code (see compile/api.py).
 The module itself is callable, as torch.compile: ``dtensor.compile(fn)`` or ``@dtensor.compile``.
 Submodules: graph (IR), trace, passes, numpy_backend, triton_adapter.
 """
+import importlib
 import sys
 import types
 
@@ -15,6 +16,9 @@ __all__ = ["compile", "Compiled", "TracingError"]
 class _CallableModule(types.ModuleType):
     def __call__(self, fn=None, **options):
         return compile(fn, **options)
+
+    def __reduce__(self):  # pickled by name, as modules are (cloudpickle sends test bodies)
+        return importlib.import_module, (self.__name__,)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -88,11 +88,11 @@ class Graph:
     def __str__(self) -> str:
         lines = []
         for n in self.inputs:
-            lines.append(f"{n!r:>5} = input {n.name:28s} {n.shape} {n.dtype}")
+            lines.append(f"{n!r:>5} = input {str(n.name):28s} {n.shape} {n.dtype}")
         for n in self.nodes:
             args = " ".join(_arg(a) for a in n.inputs)
-            params = " ".join(f"{k}={v!r}" for k, v in n.params.items()
-                              if k not in ("in_specs", "out_spec"))
+            params = "" if n.kind == "comm" else " ".join(f"{k}={v!r}"
+                                                          for k, v in n.params.items())
             text = f"{n.name} {args}" + (f" {params}" if params else "")
             if n.note:
                 text += f" {n.note}"

@@ -1,0 +1,234 @@
+"""dtensor.compile: compiled results equal eager ones (every op, the GPT forward, the whole train
+step at 1 rank, TP=2, TP=4 and DPxTP=2x2), the graph holds Megatron's collectives, and bad input
+is a clear error."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_ops import CASES, SAMPLES, _wrap
+
+import dtensor
+from dtensor.comm import count_collectives
+from dtensor.nn import GPT, Block, GPTConfig
+from dtensor.ops import OPS, apply
+
+SMALL = dict(vocab_size=96, n_layer=2, n_embd=32, n_head=4, mlp_hidden=64, block_size=16,
+             bias=False)
+STANDARD = dict(vocab_size=4096, n_layer=4, n_embd=256, n_head=8, mlp_hidden=1024,
+                block_size=128, bias=False)
+
+
+def full(t):
+    return t.full_tensor().numpy() if hasattr(t, "full_tensor") else t.numpy()
+
+
+# ----------------------------------------------------------------------------- every op
+
+@pytest.mark.parametrize("name,i", CASES)
+def test_every_op_compiled_equals_eager(name, i):
+    """Value and (for differentiable ops) the vector-Jacobian product, through a compiled
+    function, bit for bit as eager: the generated code calls the same kernels."""
+    op = OPS[name]
+    args, params = SAMPLES[name][i]
+    tensors = _wrap(args, op)
+    diff = [k for k, a in enumerate(tensors) if getattr(a, "requires_grad", False)]
+
+    def f(*xs):
+        out = apply(op, *xs, **params)
+        if not diff or op.vjp is None or out.dtype.kind != "f":
+            return out, ()
+        w = dtensor.Tensor(np.linspace(-1, 1, out.data.size if hasattr(out, "data") else 1)
+                           .reshape(out.shape).astype(out.dtype))
+        grads = dtensor.autograd.grad((out * w).sum(), [xs[k] for k in diff])
+        return out, grads
+
+    dtensor.manual_seed(3)
+    want, want_g = f(*_wrap(args, op))
+    dtensor.manual_seed(3)
+    got, got_g = dtensor.compile(f)(*_wrap(args, op))
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+# ----------------------------------------------------------------------------- GPT
+
+def test_compiled_forward_of_a_module():
+    dtensor.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL))
+    idx = np.random.default_rng(0).integers(0, 96, (3, 16))
+    compiled = dtensor.compile(model)
+    with dtensor.no_grad():
+        want, _ = model(idx)
+        got, _ = compiled(idx)
+        again, _ = compiled(idx[:, :8])  # another shape: a second graph
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    np.testing.assert_array_equal(again.numpy(), model(idx[:, :8])[0].numpy())
+    assert compiled.compiles == 2
+
+
+def train(cfg, steps, *, compiled, tp=1, dp=1, dropout=0.0, batch=8):
+    """Losses and whole parameters after ``steps`` AdamW steps, and the last step's collectives."""
+    from dtensor.parallel import parallelize
+
+    dtensor.manual_seed(0)
+    model = GPT(GPTConfig(**cfg, dropout=dropout))
+    if tp * dp > 1:
+        mesh = dtensor.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh)
+    opt = dtensor.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+
+    def train_step(x, y):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    run = dtensor.compile(train_step) if compiled else train_step
+    rng = np.random.default_rng(1)
+    losses = []
+    for _ in range(steps):
+        x, y = (rng.integers(0, cfg["vocab_size"], (batch, cfg["block_size"])) for _ in "xy")
+        with count_collectives() as log:
+            loss = run(x, y)
+        losses.append(loss.item())
+    return losses, {k: full(v) for k, v in model.state_dict().items()}, log, run
+
+
+def _assert_same(a, b):
+    (la, pa, *_), (lb, pb, *_) = a, b
+    np.testing.assert_allclose(la, lb, rtol=1e-6)
+    for k in pa:
+        np.testing.assert_allclose(pa[k], pb[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+def test_compiled_train_step_one_process_standard_workload():
+    """The whole standard-workload step (forward, loss, backward, AdamW, zero_grad), 5 steps,
+    dropout on: losses and parameters as eager (1e-6 relative). Two graphs are compiled: the
+    first step creates the optimizer state, the later ones update it."""
+    eager = train(STANDARD, 5, compiled=False, dropout=0.1)
+    comp = train(STANDARD, 5, compiled=True, dropout=0.1)
+    _assert_same(comp, eager)
+    assert comp[3].compiles == 2
+
+
+LAYOUTS = [
+    pytest.param(2, 1, id="tp2", marks=pytest.mark.ranks(2, timeout=300)),
+    pytest.param(4, 1, id="tp4", marks=pytest.mark.ranks(4, timeout=300)),
+    pytest.param(2, 2, id="dp2xtp2", marks=pytest.mark.ranks(4, timeout=300)),
+]
+
+
+@pytest.mark.parametrize("tp,dp", LAYOUTS)
+def test_compiled_parallel_train_step(tp, dp, rank):
+    """The standard workload parallelized: compiled = eager after 5 steps, and the compiled step
+    issues no more collectives (the same bytes; data parallelism's per-parameter gradient
+    all-reduces merged into buckets)."""
+    eager = train(STANDARD, 5, compiled=False, tp=tp, dp=dp)
+    comp = train(STANDARD, 5, compiled=True, tp=tp, dp=dp)
+    _assert_same(comp, eager)
+    e, c = eager[2], comp[2]
+    assert c.count() <= e.count() and c.bytes() == e.bytes(), (e.summary(), c.summary())
+    if dp > 1:
+        assert c.count("all_reduce") < e.count("all_reduce")
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.ranks(2)
+def test_block_graph_holds_megatron_collectives(sp, rank):
+    """Golden test on the printed graph of one Transformer block's forward + backward at tp=2:
+    TP: an all-reduce after attn.proj and after mlp.fc2 (forward), and one at the attention and
+    MLP input boundaries (backward); SP: all-gather at each input boundary and reduce-scatter
+    after each row-parallel output, mirrored in the backward."""
+    from dtensor.parallel import gpt_plan, parallelize_module
+    from dtensor.placements import Replicate, Shard
+
+    cfg = GPTConfig(**SMALL)
+    dtensor.manual_seed(0)
+    block = Block(cfg)
+    mesh = dtensor.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    plan = {k[len("blocks.*."):]: v for k, v in gpt_plan(sp, True).items()
+            if k.startswith("blocks.*.")}
+    parallelize_module(block, mesh, plan)
+    for _, m in block.named_modules():
+        for n, p in list(m._parameters.items()):
+            if not isinstance(p, dtensor.DTensor):
+                m._parameters[n] = dtensor.nn.Parameter(
+                    dtensor.distribute_tensor(p.detach(), mesh, [Replicate()]))
+    x = dtensor.distribute_tensor(np.random.default_rng(0).standard_normal(
+        (4, 16, 32)).astype(np.float32), mesh, [Shard(1) if sp else Replicate()])
+    x.requires_grad = True
+
+    def fwd_bwd(x):
+        y = block(x)
+        (y * y).sum().backward()
+        return y
+
+    compiled = dtensor.compile(fwd_bwd)
+    y = compiled(x)
+    text = str(compiled.last.graph)
+    comms = [line for line in text.splitlines() if " redistribute " in line
+             or " all_reduce_bucket " in line]
+    kinds = ["all_gather" if "[S(1)] -> [R]" in c else "reduce_scatter" if "[P(sum)] -> [S(1)]"
+             in c else "all_reduce" if "[P(sum)] -> [R]" in c else "bucket" if "bucket" in c
+             else "other" for c in comms]
+    if sp:
+        # ... and the four LayerNorm weight gradients (Partial over sequence shards, stored
+        # Replicate) merged into one all-reduce bucket.
+        assert kinds == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter",
+                         "all_gather", "reduce_scatter", "all_gather", "reduce_scatter",
+                         "bucket"], text
+        assert "4 gradients" in comms[-1]
+    else:
+        assert kinds == ["all_reduce"] * 4, text
+    # The forward's all-reduces follow the row-parallel matmuls; values match eager.
+    dtensor.manual_seed(0)
+    np.testing.assert_allclose(full(y), full(block(x)), rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_data_dependent_control_flow_names_the_line():
+    def f(x):
+        if (x.sum() > 0):  # the offending line
+            return x * 2
+        return x
+
+    with pytest.raises(dtensor.compile.TracingError,
+                       match=r"bool\(tensor\).*test_compile\.py:\d+: if \(x\.sum\(\) > 0\)"):
+        dtensor.compile(f)(dtensor.ones(3))
+    with pytest.raises(dtensor.compile.TracingError, match=r"\.item\(\).*x\.sum\(\)\.item"):
+        dtensor.compile(lambda x: x.sum().item())(dtensor.ones(3))
+
+
+COUNTER = 0
+
+
+def test_global_mutation_inside_the_step_is_an_error():
+    def step(x):
+        global COUNTER
+        COUNTER = COUNTER + 1
+        return x * 2
+
+    with pytest.raises(dtensor.compile.TracingError, match=r"rebinds the global\(s\) "
+                                                           r"\['COUNTER'\]"):
+        dtensor.compile(step)(dtensor.ones(2))
+
+
+def test_changing_shapes_recompile_with_a_warning_naming_the_cause():
+    compiled = dtensor.compile(lambda x: (x * x).sum())
+    with pytest.warns(UserWarning, match=r"compiled 4 times; this time because args\[0\] "
+                                         r"changed from .*\(4,\).* to .*\(5,\)"):
+        for n in range(2, 6):
+            compiled(dtensor.ones(n))
+    assert compiled.compiles == 4
+    compiled(dtensor.ones(3))  # seen before: no new compile
+    assert compiled.compiles == 4
+
+
+def test_unknown_backend_and_non_callable():
+    with pytest.raises(ValueError, match=r"unknown backend 'cuda'"):
+        dtensor.compile(lambda x: x, backend="cuda")
+    with pytest.raises(TypeError, match=r"takes a function or a Module, got int"):
+        dtensor.compile(3)

@@ -5,6 +5,7 @@ imported).
     python examples/train.py                        # one process; loss ~4.6 -> ~2.1
     dtlaunch --nproc 8 examples/train.py            # 2-D mesh: dp=4 x tp=2, the same loss curve
     dtlaunch --nproc 4 examples/train.py --tp 2 --dp 2 --sp --fsdp
+    python examples/train.py --compile              # the whole step through dtensor.compile
     python examples/train.py --steps 100 --n-layer 2
     python examples/train.py --help
 
@@ -57,6 +58,7 @@ class TrainConfig:
     dp: int = 0  # 0: the ranks tp leaves
     sp: bool = False
     fsdp: bool = False
+    compile: bool = False  # run the whole train step through dtensor.compile
 
 
 # ----------------------------------------------------------------------------- data
@@ -180,17 +182,21 @@ def main(argv=None) -> float:
           f"initial loss should be near ln({data.vocab_size}) = {math.log(data.vocab_size):.2f}")
     opt = dtensor.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
+    def train_step(x, y):
+        _, loss = model(x, y)
+        loss.backward()
+        dtensor.optim.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step_fn = dtensor.compile(train_step) if cfg.compile else train_step
     tokens = cfg.batch_size * cfg.block_size
     t_last, loss_val = time.perf_counter(), float("nan")
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        _, loss = model(*data.batch("train", cfg.batch_size, cfg.block_size))
-        loss.backward()
-        dtensor.optim.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad()
-        loss_val = loss.item()
+        loss_val = step_fn(*data.batch("train", cfg.batch_size, cfg.block_size)).item()
         if step % 10 == 0 or step == cfg.steps - 1:
             now = time.perf_counter()
             n = 1 if step == 0 else min(10, step)

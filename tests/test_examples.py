@@ -29,8 +29,9 @@ def one_process_run():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", [["--nproc", "2"], ["--nproc", "4", "--sp", "--fsdp"]],
-                         ids=["tp2", "dp2xtp2-sp-fsdp"])
+@pytest.mark.parametrize("layout", [["--nproc", "2"], ["--nproc", "4", "--sp", "--fsdp"],
+                                    ["--nproc", "1", "--compile"], ["--nproc", "2", "--compile"]],
+                         ids=["tp2", "dp2xtp2-sp-fsdp", "compiled", "tp2-compiled"])
 def test_parallel_training_matches_one_process(one_process_run, layout):
     nproc, flags = layout[:2], layout[2:]
     _, par = run([*DTLAUNCH, *nproc, "examples/train.py", *SMALL, *flags])

@@ -232,3 +232,27 @@ def test_unknown_backend_and_non_callable():
         dtensor.compile(lambda x: x, backend="cuda")
     with pytest.raises(TypeError, match=r"takes a function or a Module, got int"):
         dtensor.compile(3)
+
+
+@pytest.mark.ranks(2)
+def test_redundant_collectives_are_issued_once(rank):
+    """Two redistributes of the same value to the same layout are one collective in the
+    compiled graph (eager issues both); the values are unchanged."""
+    from dtensor.placements import Replicate, Shard
+
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    x = dtensor.distribute_tensor(np.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
+
+    def f(x):
+        a = x.redistribute(placements=[Replicate()])
+        b = x.redistribute(placements=[Replicate()])
+        return a * 2 + b
+
+    with count_collectives() as eager:
+        want = f(x)
+    compiled = dtensor.compile(f)
+    compiled(x)  # compiles
+    with count_collectives() as comp:
+        got = compiled(x)
+    assert eager.count("all_gather") == 2 and comp.count("all_gather") == 1
+    np.testing.assert_array_equal(full(got), full(want))

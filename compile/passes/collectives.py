@@ -22,25 +22,32 @@ def _all_reduce_dim(n: Node):
     return None
 
 
-def _bucket_fn(group, shapes):
+def _bucket_fns(group, shapes):
+    """(start, wait): start flattens the gradients into one buffer and issues a non-blocking
+    all-reduce; wait completes it and returns the gradients as views of the result."""
     sizes = [int(np.prod(s)) for s in shapes]
 
-    def run(*arrays):
-        flat = np.concatenate([np.ravel(a) for a in arrays])
-        flat = group.all_reduce(flat)
-        out, start = [], 0
+    def start(*arrays):
+        return group.all_reduce(np.concatenate([np.ravel(a) for a in arrays]), async_op=True)
+
+    def wait(work):
+        flat = work.wait()
+        out, begin = [], 0
         for n, s in zip(sizes, shapes):
-            out.append(flat[start:start + n].reshape(s))
-            start += n
+            out.append(flat[begin:begin + n].reshape(s))
+            begin += n
         return tuple(out)
 
-    return run
+    return start, wait
 
 
 def bucket_all_reduces(graph: Graph) -> Graph:
     """Merge all-reduces (P(sum) -> R on one mesh dim) whose results are first used only after
     the last of them was issued: the gradient all-reduces of data parallelism, one per
-    parameter in eager, become one per ~25 MB. Activation all-reduces, used right away, stay."""
+    parameter in eager, become one per ~25 MB. Activation all-reduces, used right away, stay.
+
+    Scheduling: a bucket starts (non-blocking) where its last gradient is ready and is waited
+    for just before the first node that reads one of its gradients."""
     first_use: dict[int, int] = {}
     for i, n in enumerate(graph.nodes):
         for a in n.inputs:
@@ -65,31 +72,34 @@ def bucket_all_reduces(graph: Graph) -> Graph:
                                                 else len(graph.nodes)))
     if cur:
         buckets.append(cur)
-    replace: dict[int, list[Node]] = {}  # node index -> nodes to put there instead
+    at: dict[int, list[Node]] = {}  # node index -> nodes to put just before it
     drop = set()
+    end = len(graph.nodes)
     for b in buckets:
         if len(b) < 2:
             continue
         members = [n for _, n in b]
-        mesh, m, _ = members[0].params["spec"].mesh, _all_reduce_dim(members[0]), None
-        shapes = [n.shape for n in members]
-        bucket = Node(graph._next, "comm", "all_reduce_bucket", [n.inputs[0] for n in members],
-                      {}, (), members[0].dtype,
-                      fn=_bucket_fn(mesh.get_group(m), shapes),
-                      note=f"{len(members)} gradients over mesh dim {m}")
-        graph._next += 1
+        m = _all_reduce_dim(members[0])
+        start_fn, wait_fn = _bucket_fns(members[0].params["spec"].mesh.get_group(m),
+                                        [n.shape for n in members])
+        start = Node(graph._next, "comm", "all_reduce_bucket", [n.inputs[0] for n in members],
+                     {}, (), members[0].dtype, fn=start_fn,
+                     note=f"{len(members)} gradients over mesh dim {m}, non-blocking")
+        wait = Node(graph._next + 1, "op", "wait", [start], {}, (), members[0].dtype,
+                    fn=wait_fn)
+        graph._next += 2
         for j, n in enumerate(members):  # each member now reads its part of the bucket
-            n.kind, n.name, n.inputs, n.params = "op", "bucket_part", [bucket], {}
+            n.kind, n.name, n.inputs, n.params = "op", "bucket_part", [wait], {}
             n.fn, n.note = operator.itemgetter(j), ""
-        last = b[-1][0]
+        first = min([first_use.get(n.id, end) for n in members] + [end])
         drop.update(i for i, _ in b)
-        replace[last] = [bucket] + members
-    if replace:
+        at.setdefault(b[-1][0] + 1, []).append(start)
+        at.setdefault(max(first, b[-1][0] + 1), []).extend([wait] + members)
+    if at:
         nodes = []
-        for i, n in enumerate(graph.nodes):
-            if i in replace:
-                nodes.extend(replace[i])
-            elif i not in drop:
+        for i, n in enumerate(graph.nodes + [None]):
+            nodes.extend(at.get(i, ()))
+            if n is not None and i not in drop:
                 nodes.append(n)
         graph.nodes = nodes
     return graph

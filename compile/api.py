@@ -6,7 +6,7 @@ and optimizer state become graph inputs and outputs, updated in place after each
 eager updates them. The pipeline (DTENSOR_DEBUG=2 prints the graph after each step, =3 the
 generated code, on rank 0):
 
-    trace (compile/trace.py) -> dce -> cse -> bucket_all_reduces -> numpy codegen
+    trace (compile/trace.py) -> dce -> cse -> bucket_all_reduces -> plan_memory -> numpy codegen
 
 Example:
     >>> @dtensor.compile
@@ -31,7 +31,7 @@ from dtensor.compile.trace import Traced, Tracer, TracingError
 __all__ = ["compile", "Compiled", "TracingError"]
 
 PASSES = (("dce", passes.dce), ("cse", passes.cse),
-          ("bucket_all_reduces", passes.bucket_all_reduces))
+          ("bucket_all_reduces", passes.bucket_all_reduces), ("plan_memory", passes.plan_memory))
 RECOMPILE_WARN = 4  # warn when one function has compiled this many times
 
 
@@ -201,11 +201,14 @@ class _Entry:
         self.graph, self.run_fn, self.path, self.tables = graph, run, path, tables
         self.feeds, self.writebacks, self.tree = feeds, writebacks, tree
         self.compile_s = compile_s
+        self.buffers = None
 
     def __call__(self, args, kwargs):
         inputs = [feed(args, kwargs) for feed in self.feeds]
         slots = [make() for make in self.graph.slots]
-        outs = self.run_fn(inputs, slots, self.tables["F"], self.tables["K"])
+        if self.buffers is None:  # the memory plan's buffers, allocated on the first call
+            self.buffers = [np.empty(shape, dtype) for shape, dtype in self.graph.buffers]
+        outs = self.run_fn(inputs, slots, self.tables["F"], self.tables["K"], self.buffers)
         values = []
         for wb, arr in zip(self.writebacks, outs):
             if wb.kind == "result":
@@ -401,6 +404,8 @@ class Compiled:
                               f"every call recompile every call: pad them to fixed shapes.",
                               stacklevel=2)
             entry = self._cache[key] = self._compile(env, args, kwargs)
+        if self.last is not None and self.last is not entry:
+            self.last.buffers = None  # another graph runs now; reallocated if it runs again
         self._last_key = key
         self.last = entry
         return entry(args, kwargs)

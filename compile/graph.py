@@ -41,6 +41,7 @@ class Node:
     dtype: Any = None
     fn: Callable | None = None  # what runs: impl, local kernel, or collective
     note: str = ""  # placements, for printing
+    buffer: int | None = None  # preallocated result buffer (compile/passes/memory.py)
 
     def __repr__(self) -> str:
         return f"%{self.id}"
@@ -63,6 +64,7 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     outputs: list = field(default_factory=list)  # Node or constant
     slots: list = field(default_factory=list)  # runtime slot makers, by Slot.index
+    buffers: list = field(default_factory=list)  # (shape, dtype) of each planned buffer
     _next: int = 0
 
     def new(self, kind: str, name: str, inputs=(), params=None, shape=(), dtype=None, fn=None,
@@ -96,6 +98,8 @@ class Graph:
             text = f"{n.name} {args}" + (f" {params}" if params else "")
             if n.note:
                 text += f" {n.note}"
+            if n.buffer is not None:
+                text += f" -> buf{n.buffer}"
             lines.append(f"{n!r:>5} = {text:60s} {n.shape} {n.dtype}")
         lines.append("return " + ", ".join(_arg(o) for o in self.outputs))
         return "\n".join(lines)

@@ -28,8 +28,9 @@ def _cache_dir() -> str:
 
 
 def generate(graph: Graph, name: str) -> tuple[str, dict]:
-    """Source of ``def run(I, S, F, K)`` and the table it reads: F (callables), K (params and
-    constants). I: input arrays in graph.inputs order; S: this call's slot values."""
+    """Source of ``def run(I, S, F, K, B)`` and the tables it reads: F (callables), K (params
+    and constants), B (the memory plan's buffers). I: input arrays in graph.inputs order; S:
+    this call's slot values."""
     tables: dict = {"F": [], "K": []}
 
     def const(value) -> str:
@@ -49,7 +50,7 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
         return const(a)
 
     lines = [f"# dtensor.compile: {name} ({len(graph.nodes)} nodes, numpy backend)",
-             "def run(I, S, F, K):"]
+             "def run(I, S, F, K, B):"]
     if graph.inputs:
         lines.append("    " + "".join(f"v{n.id}, " for n in graph.inputs) + "= I")
     for i, n in enumerate(graph.nodes):
@@ -61,6 +62,8 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
             args.append(f"**{const(fixed)}")
         args += [f"{k}=S[{v.index}]" + (f"[{v.name!r}]" if v.name != "key" else "")
                  for k, v in slots.items()]
+        if n.buffer is not None:
+            args.append(f"out=B[{n.buffer}]")
         lines.append(f"    v{n.id} = F[{len(tables['F']) - 1}]({', '.join(args)})"
                      f"  # {n.name} {n.shape} {n.dtype}")
         dead = [a.id for a in n.inputs if isinstance(a, Node) and last_use.get(a.id) == i

@@ -1,5 +1,6 @@
 """Graph -> Graph passes, in the order the pipeline runs them (compile/api.py)."""
 from dtensor.compile.passes.collectives import bucket_all_reduces
+from dtensor.compile.passes.memory import plan_memory
 from dtensor.compile.passes.simplify import cse, dce
 
-__all__ = ["dce", "cse", "bucket_all_reduces"]
+__all__ = ["dce", "cse", "bucket_all_reduces", "plan_memory"]

@@ -140,12 +140,12 @@ def _blas_layout(a) -> bool:
     return (s[1] == i and s[0] == a.shape[-1] * i) or (s[0] == i and s[1] == a.shape[-2] * i)
 
 
-def _matmul_impl(x, y):
+def _matmul_impl(x, y, out=None):
     # A stack of matrices that are both loose views (attention's per-head q @ k^T) runs ~2x
     # slower in OpenBLAS than after copying one of them tight (benchmarks/gpt_step.py).
     if x.ndim > 2 and y.ndim > 2 and not (_blas_layout(x) or _blas_layout(y)):
         x = np.ascontiguousarray(x)
-    return np.matmul(x, y)
+    return np.matmul(x, y, out=out)
 
 
 matmul = defop(

@@ -15,6 +15,8 @@ import os
 import sys
 import tempfile
 
+import numpy as np
+
 from dtensor.compile.graph import Graph, Node, Slot
 
 __all__ = ["generate", "load"]
@@ -54,8 +56,12 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
     if graph.inputs:
         lines.append("    " + "".join(f"v{n.id}, " for n in graph.inputs) + "= I")
     for i, n in enumerate(graph.nodes):
-        tables["F"].append(n.fn)
-        fixed = {k: v for k, v in n.params.items() if not isinstance(v, Slot)}
+        if n.name == "fused":
+            tables["F"].append(fused_kernel(n))
+            fixed = {}
+        else:
+            tables["F"].append(n.fn)
+            fixed = {k: v for k, v in n.params.items() if not isinstance(v, Slot)}
         slots = {k: v for k, v in n.params.items() if isinstance(v, Slot)}
         args = [ref(a) for a in n.inputs]
         if fixed and n.kind == "op":
@@ -91,3 +97,31 @@ def load(source: str):
         spec.loader.exec_module(mod)
         sys.modules[mod_name] = mod
     return mod.run, path
+
+
+_BLOCK_BYTES = 1 << 18  # as dtensor/ops/blockwise.py: a block's temporaries stay in L2
+
+
+def fused_kernel(node: Node):
+    """A fused pointwise group as one cache-blocked numpy function ``run(*inputs, out=None)``:
+    the group's ufuncs run on blocks of rows, so intermediates never leave the cache."""
+    ops, shape, dtype = node.params["ops"], tuple(node.shape), node.dtype
+    last = shape[-1] if shape else 1
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    per = max(1, _BLOCK_BYTES // max(1, last * dtype.itemsize))
+
+    def run(*inputs, out=None):
+        out = np.empty(shape, dtype) if out is None else out
+        flat = out.reshape(rows, last)
+        views = [np.broadcast_to(x, shape).reshape(rows, last) for x in inputs]
+        for lo in range(0, rows, per):
+            hi = min(lo + per, rows)
+            vals = []
+            for _, op, refs, params in ops:
+                args = [views[r][lo:hi] if kind == "in" else vals[r] if kind == "op" else r
+                        for kind, r in refs]
+                vals.append(op.impl(*args, **params))
+            flat[lo:hi] = vals[-1]
+        return out
+
+    return run

@@ -1,0 +1,80 @@
+"""Fusion: chains of pointwise ops become one ``fused`` node (one kernel).
+
+A pointwise op (registry ``shard == "pointwise"`` with a ``lower`` template) joins the group of
+an input when that input is the group's last node, has no other user, and has the same shape;
+two groups that meet at one op merge. Intermediate values of a group are therefore never seen
+outside it, and the fused node sits where its last op was, after every external input. Inputs
+from outside may broadcast (a bias, a row statistic); scalars stay constants.
+
+The fused node keeps its ops (``node.params["ops"]``: (name, op, inputs, params) with inputs
+naming external inputs as ("in", k) and earlier ops as ("op", j)); each backend generates its
+kernel from that list (numpy: cache-blocked ufunc calls; Triton: one @triton.jit kernel).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dtensor.compile.graph import Graph, Node
+
+
+def pointwise_op(n: Node):
+    """The registry op of a fusible node, else None."""
+    from dtensor.ops.registry import OPS
+    op = OPS.get(n.name)
+    if (n.kind != "op" or op is None or op.shard != "pointwise" or n.fn is not op.impl
+            or not isinstance(op.lower, str) or op.lower.startswith(("extern", "rowwise"))):
+        return None
+    return op
+
+
+def fuse_pointwise(graph: Graph) -> Graph:
+    users = graph.users()
+    out_ids = {o.id for o in graph.outputs if isinstance(o, Node)}
+    group_of: dict[int, list[Node]] = {}  # node id -> its group (members in program order)
+    for n in graph.nodes:
+        if pointwise_op(n) is None:
+            continue
+        members = []
+        for a in n.inputs:
+            g = group_of.get(a.id) if isinstance(a, Node) else None
+            if (g is not None and g[-1] is a and len(users.get(a.id, ())) == 1
+                    and a.id not in out_ids and a.shape == n.shape and g is not members):
+                members = sorted(set(members) | set(g), key=lambda m: m.id) if members else g
+        group = (members if members else []) + [n]
+        for m in group:
+            group_of[m.id] = group
+    fused_at: dict[int, Node] = {}  # tail id -> fused node
+    drop = set()
+    seen = set()
+    for group in group_of.values():
+        if id(group) in seen or len(group) < 2:
+            continue
+        seen.add(id(group))
+        group.sort(key=lambda m: m.id)
+        tail = group[-1]
+        inside = {m.id: j for j, m in enumerate(group)}
+        externals: list = []
+        ops = []
+        for m in group:
+            refs = []
+            for a in m.inputs:
+                if isinstance(a, Node) and a.id in inside:
+                    refs.append(("op", inside[a.id]))
+                elif isinstance(a, (Node, np.ndarray)):
+                    if not any(a is e for e in externals):
+                        externals.append(a)
+                    refs.append(("in", next(k for k, e in enumerate(externals) if e is a)))
+                else:
+                    refs.append(("const", a))
+            ops.append((m.name, pointwise_op(m), refs, dict(m.params)))
+        fused = Node(tail.id, "op", "fused", externals, {"ops": ops}, tail.shape, tail.dtype,
+                     fn=None, note="[" + " ".join(m.name for m in group) + "]")
+        fused_at[tail.id] = fused
+        drop.update(m.id for m in group[:-1])
+    if fused_at:
+        graph.nodes = [fused_at.get(n.id, n) for n in graph.nodes if n.id not in drop]
+        graph.outputs = [fused_at.get(o.id, o) if isinstance(o, Node) else o
+                         for o in graph.outputs]
+        for n in graph.nodes:
+            n.inputs = [fused_at.get(a.id, a) if isinstance(a, Node) else a for a in n.inputs]
+    return graph

@@ -381,8 +381,8 @@ class Compiled:
     """A compiled function: call it as the original. ``.graphs`` holds the compiled graphs,
     ``.compiles`` how many times it traced, ``.last`` the entry that ran last."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, backend: str = "numpy"):
+        self.fn, self.backend = fn, backend
         self._cache: dict = {}
         self._last_key = None
         self.compiles = 0
@@ -420,6 +420,13 @@ class Compiled:
         if debug:
             print(f"[dtensor.compile] {self.__name__}: traced\n{graph}", flush=True)
         for name, p in PASSES:
+            if name == "plan_memory" and self.backend == "triton":
+                from dtensor.compile import triton_backend
+                kernels = triton_backend.lower_graph(graph)
+                if _debug_level() >= 3 and _rank0():
+                    for node, k in kernels:
+                        print(f"[dtensor.compile] triton kernel for %{node.id} {node.name} "
+                              f"{node.note} ({k.path})\n{k.source}", flush=True)
             graph = p(graph)
             if debug:
                 print(f"[dtensor.compile] after {name}\n{graph}", flush=True)
@@ -437,13 +444,14 @@ def compile(fn=None, *, backend: str = "numpy"):
 
     Usable as ``dtensor.compile(fn)`` or as a decorator ``@dtensor.compile``.
     """
-    if backend != "numpy":
-        raise ValueError(f"dtensor.compile: unknown backend {backend!r}; 'numpy' is the CPU "
-                         f"backend (the Triton backend is issue 7's work).")
+    if backend not in ("numpy", "triton"):
+        raise ValueError(f"dtensor.compile: unknown backend {backend!r}; choose 'numpy' (the CPU "
+                         f"default) or 'triton' (generated Triton kernels; on CPU under the "
+                         f"Triton interpreter, for verification).")
     if fn is None:
-        return lambda f: Compiled(f)
+        return lambda f: Compiled(f, backend)
     if not callable(fn):
         raise TypeError(f"dtensor.compile takes a function or a Module, got "
                         f"{type(fn).__name__}.")
-    return Compiled(fn)
+    return Compiled(fn, backend)
 

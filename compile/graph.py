@@ -93,8 +93,8 @@ class Graph:
             lines.append(f"{n!r:>5} = input {str(n.name):28s} {n.shape} {n.dtype}")
         for n in self.nodes:
             args = " ".join(_arg(a) for a in n.inputs)
-            params = "" if n.kind == "comm" else " ".join(f"{k}={v!r}"
-                                                          for k, v in n.params.items())
+            params = "" if n.kind == "comm" else " ".join(
+                f"{k}={v!r}" for k, v in n.params.items() if k != "ops")
             text = f"{n.name} {args}" + (f" {params}" if params else "")
             if n.note:
                 text += f" {n.note}"

@@ -56,7 +56,7 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
     if graph.inputs:
         lines.append("    " + "".join(f"v{n.id}, " for n in graph.inputs) + "= I")
     for i, n in enumerate(graph.nodes):
-        if n.name == "fused":
+        if n.name == "fused" and n.fn is None:
             tables["F"].append(fused_kernel(n))
             fixed = {}
         else:
@@ -64,7 +64,7 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
             fixed = {k: v for k, v in n.params.items() if not isinstance(v, Slot)}
         slots = {k: v for k, v in n.params.items() if isinstance(v, Slot)}
         args = [ref(a) for a in n.inputs]
-        if fixed and n.kind == "op":
+        if fixed and n.kind in ("op", "triton"):
             args.append(f"**{const(fixed)}")
         args += [f"{k}=S[{v.index}]" + (f"[{v.name!r}]" if v.name != "key" else "")
                  for k, v in slots.items()]

@@ -17,9 +17,9 @@ VIEW_OPS = frozenset({"reshape", "permute", "getitem", "broadcast_to", "bucket_p
 
 def _out_capable(n: Node) -> bool:
     from dtensor.ops.structural import _matmul_impl
-    if n.kind != "op" or n.dtype is None or n.dtype.kind not in "fiub":
+    if n.kind not in ("op", "triton") or n.dtype is None or n.dtype.kind not in "fiub":
         return False
-    if n.name == "fused":
+    if (n.name == "fused" and n.fn is None) or getattr(n.fn, "accepts_out", False):
         return True
     if n.fn is _matmul_impl:
         return len(n.shape) >= 2

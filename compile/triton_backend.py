@@ -1,0 +1,410 @@
+"""The Triton backend: fused pointwise groups, row-wise kernels (softmax, log_softmax, the
+layer-norm core, their backwards), the AdamW update and random draws become ``@triton.jit``
+kernels generated from the ops' ``lower`` templates; matmuls, shape ops, gathers and collectives
+stay numpy calls (extern).
+
+Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
+triton is first imported) on numpy arrays through compile/triton_adapter.py: slow (30-100x
+numpy), for verification. Kernel sources go to content-hashed files (DTENSOR_DEBUG=3 prints each
+with the graph nodes it covers).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+
+import numpy as np
+
+from dtensor.compile.graph import Graph, Node
+from dtensor.compile.numpy_backend import _cache_dir
+
+__all__ = ["lower_graph", "ensure_triton"]
+
+_TL_TYPES = {"float32": "tl.float32", "float64": "tl.float64", "float16": "tl.float16",
+             "int64": "tl.int64", "int32": "tl.int32", "bool": "tl.int1", "uint32": "tl.uint32"}
+
+PRELUDE = '''import triton
+import triton.language as tl
+
+# Names used by the ops' ``lower`` templates (dtensor/ops/*.py).
+
+
+@triton.jit
+def exp(x):
+    return tl.exp(x)
+
+
+@triton.jit
+def log(x):
+    return tl.log(x)
+
+
+@triton.jit
+def sqrt(x):
+    return tl.sqrt(x)
+
+
+@triton.jit
+def tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def maximum(x, y):
+    return tl.maximum(x, y)
+
+
+@triton.jit
+def where(c, x, y):
+    return tl.where(c, x, y)
+
+
+@triton.jit
+def pow(x, y):
+    return tl.exp(y * tl.log(x))
+
+
+@triton.jit
+def erf(x):
+    return tl.math.erf(x)
+
+
+@triton.jit
+def gelu_none(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+@triton.jit
+def gelu_none_grad(g, x):
+    phi = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
+    return g * (phi + x * pdf)
+
+
+@triton.jit
+def gelu_tanh_grad(g, x):
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    t = tanh(u)
+    du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
+    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+'''
+
+
+def ensure_triton():
+    """Import triton, under the interpreter when there is no GPU runtime."""
+    if "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "dtensor.compile(backend='triton') on CPU runs kernels under Triton's interpreter, "
+            "which must be chosen before triton is imported: set TRITON_INTERPRET=1 in the "
+            "environment (or import dtensor.compile before triton).")
+    import triton
+    return triton
+
+
+def _load(source: str):
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), f"dtk_{digest}.py")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    name = f"dtensor_kernels_{digest}"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules[name] = mod
+    return mod, path
+
+
+def _literal(v) -> str:
+    if isinstance(v, (bool, np.bool_)):
+        return "1" if v else "0"
+    if isinstance(v, (int, np.integer)):
+        return repr(int(v))
+    return repr(float(v))
+
+
+def _expr(op, params, args) -> str:
+    """The op's ``lower`` template filled with argument expressions."""
+    lower = op.lower
+    if op.name == "cast":
+        return f"({args[0]}).to({_TL_TYPES[np.dtype(params['dtype']).name]})"
+    return lower.format(*args, **{k: v for k, v in params.items()})
+
+
+def _offset_expr(shape, bshape, strides) -> str:
+    """Element offset of a broadcast input for the flat output index ``offs``."""
+    if tuple(bshape) == tuple(shape) and list(strides) == list(
+            np.cumprod((1,) + tuple(reversed(shape[1:])))[::-1]):
+        return "offs"
+    terms, inner = [], 1
+    for d in reversed(range(len(shape))):
+        if strides[d]:
+            terms.append(f"((offs // {inner}) % {shape[d]}) * {strides[d]}")
+        inner *= shape[d]
+    return " + ".join(terms) if terms else "offs * 0"
+
+
+class _Pointwise:
+    """A fused pointwise group (or one pointwise op) as a flat 1-D Triton kernel."""
+
+    accepts_out = True
+
+    def __init__(self, ops, shape, dtype, in_shapes, in_dtypes, label):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.n = int(np.prod(shape))
+        bstrides = []
+        for s, dt in zip(in_shapes, in_dtypes):
+            view = np.broadcast_to(np.empty(s, dt), shape)
+            bstrides.append([st // np.dtype(dt).itemsize for st in view.strides])
+        lines = [f"# {label}", "@triton.jit",
+                 "def kernel(" + "".join(f"in{k}, " for k in range(len(in_shapes)))
+                 + "out, N, BLOCK: tl.constexpr):",
+                 "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
+                 "    mask = offs < N"]
+        for k, (s, st) in enumerate(zip(in_shapes, bstrides)):
+            lines.append(f"    a{k} = tl.load(in{k} + ({_offset_expr(shape, s, st)}), mask=mask)")
+        for j, (_, op, refs, params) in enumerate(ops):
+            args = [f"a{r}" if kind == "in" else f"t{r}" if kind == "op" else _literal(r)
+                    for kind, r in refs]
+            lines.append(f"    t{j} = {_expr(op, params, args)}")
+        out = f"t{len(ops) - 1}"
+        if self.dtype != np.dtype(bool):
+            out = f"({out}).to({_TL_TYPES[self.dtype.name]})"
+        lines.append(f"    tl.store(out + offs, {out}, mask=mask)")
+        self.source = PRELUDE + "\n\n" + "\n".join(lines) + "\n"
+        self.mod, self.path = _load(self.source)
+        self.block = min(1 << 14, 1 << max(4, (self.n - 1).bit_length()))
+
+    def __call__(self, *inputs, out=None):
+        from dtensor.compile.triton_adapter import as_triton_arg
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        # Scalars are literals in the kernel; arrays are its pointer arguments.
+        args = [as_triton_arg(np.ascontiguousarray(x)) for x in inputs
+                if isinstance(x, np.ndarray)]
+        grid = ((self.n + self.block - 1) // self.block,)
+        if self.n:
+            with np.errstate(all="ignore"):  # masked-off lanes may compute inf - inf
+                self.mod.kernel[grid](*args, as_triton_arg(out), self.n, BLOCK=self.block)
+        return out
+
+
+ROWWISE = '''
+@triton.jit
+def kernel(x_ptr, g_ptr, out_ptr, R, C, L, eps, KIND: tl.constexpr, CAUSAL: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    cols = tl.arange(0, BLOCK_C)[None, :]
+    mask = (rows < R) & (cols < C)
+    if CAUSAL:  # row r of each (L, C) matrix sees columns j <= r % L
+        mask = mask & (cols <= rows % L)
+    idx = rows * C + cols
+    if KIND == 0:  # softmax
+        x = tl.load(x_ptr + idx, mask=mask, other=-float("inf"))
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        e = tl.where(mask, e, 0.0)
+        y = e / tl.sum(e, axis=1)[:, None]
+    elif KIND == 1:  # log_softmax
+        x = tl.load(x_ptr + idx, mask=mask, other=-float("inf"))
+        z = x - tl.max(x, axis=1)[:, None]
+        e = tl.where(mask, tl.exp(z), 0.0)
+        y = z - tl.log(tl.sum(e, axis=1))[:, None]
+    elif KIND == 2:  # softmax backward: y (g * y - y sum(g y)), x_ptr holds y
+        s = tl.load(x_ptr + idx, mask=mask, other=0.0)
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0)
+        y = s * (g - tl.sum(g * s, axis=1)[:, None])
+    elif KIND == 3:  # log_softmax backward: g - softmax sum(g), x_ptr holds log-probs
+        lp = tl.load(x_ptr + idx, mask=mask, other=-float("inf"))
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0)
+        y = g - tl.exp(lp) * tl.sum(g, axis=1)[:, None]
+    elif KIND == 4:  # normalize: (x - mean) / sqrt(var + eps)
+        x = tl.load(x_ptr + idx, mask=mask, other=0.0)
+        d = tl.where(mask, x - tl.sum(x, axis=1)[:, None] / C, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / C + eps)
+        y = d * rstd[:, None]
+    else:  # normalize backward: rstd (g - mean(g) - xhat mean(g xhat))
+        x = tl.load(x_ptr + idx, mask=mask, other=0.0)
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0)
+        d = tl.where(mask, x - tl.sum(x, axis=1)[:, None] / C, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / C + eps)
+        xhat = d * rstd[:, None]
+        y = rstd[:, None] * (g - tl.sum(g, axis=1)[:, None] / C
+                             - xhat * (tl.sum(g * xhat, axis=1) / C)[:, None])
+    if CAUSAL:
+        y = tl.where(mask, y, 0.0)
+    tl.store(out_ptr + idx, y, mask=(rows < R) & (cols < C))
+'''
+
+_ROW_KIND = {"softmax": 0, "log_softmax": 1, "softmax_backward": 2, "log_softmax_backward": 3,
+             "normalize": 4, "normalize_backward": 5}
+
+
+class _Rowwise:
+    """Row-wise ops over the last dim: 2-D tiles of rows, reductions along axis 1."""
+
+    accepts_out = True
+
+    def __init__(self, name, params, shape, dtype):
+        self.kind, self.shape, self.dtype = _ROW_KIND[name], tuple(shape), np.dtype(dtype)
+        self.causal = bool(params.get("causal", False))
+        self.eps = float(params.get("eps", 0.0))
+        self.C = shape[-1]
+        self.L = shape[-2] if len(shape) > 1 else 1
+        self.R = int(np.prod(shape[:-1]))
+        self.block_c = 1 << max(0, (self.C - 1).bit_length())
+        self.block_r = max(1, min(1 << 12, (1 << 14) // self.block_c))
+        self.source = PRELUDE + ROWWISE
+        self.mod, self.path = _load(self.source)
+
+    def __call__(self, *inputs, out=None):
+        from dtensor.compile.triton_adapter import as_triton_arg
+        inputs = [np.ascontiguousarray(x) for x in inputs]
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        # Backward kinds take (g, y|x) in the registry's order: gradient first.
+        x, g = (inputs[1], inputs[0]) if len(inputs) == 2 else (inputs[0], inputs[0])
+        grid = ((self.R + self.block_r - 1) // self.block_r,)
+        if self.R and self.C:
+            with np.errstate(all="ignore"):
+                self.mod.kernel[grid](as_triton_arg(x), as_triton_arg(g), as_triton_arg(out),
+                                      self.R, self.C, self.L, self.eps, KIND=self.kind,
+                                      CAUSAL=self.causal, BLOCK_R=self.block_r,
+                                      BLOCK_C=self.block_c)
+        return out
+
+
+ADAMW = '''
+@triton.jit
+def kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, N, lr, beta1, beta2, eps, weight_decay, bc1,
+           bc2, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    p = tl.load(p_ptr + offs, mask=mask)
+    g = tl.load(g_ptr + offs, mask=mask)
+    m = beta1 * tl.load(m_ptr + offs, mask=mask) + (1.0 - beta1) * g
+    v = beta2 * tl.load(v_ptr + offs, mask=mask) + (1.0 - beta2) * g * g
+    step = (m / bc1) / (tl.sqrt(v / bc2) + eps)
+    tl.store(out_ptr + offs, p * (1.0 - lr * weight_decay) - lr * step, mask=mask)
+    tl.store(out_ptr + N + offs, m, mask=mask)
+    tl.store(out_ptr + 2 * N + offs, v, mask=mask)
+'''
+
+
+class _AdamW:
+    accepts_out = True
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.n = int(np.prod(shape[1:]))
+        self.mod, self.path = _load(PRELUDE + ADAMW)
+        self.source = PRELUDE + ADAMW
+        self.block = min(1 << 14, 1 << max(4, (self.n - 1).bit_length()))
+
+    def __call__(self, p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2, out=None):
+        from dtensor.compile.triton_adapter import as_triton_arg
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        args = [as_triton_arg(np.ascontiguousarray(a)) for a in (p, g, m, v)]
+        grid = ((self.n + self.block - 1) // self.block,)
+        if self.n:
+            self.mod.kernel[grid](*args, as_triton_arg(out), self.n, lr, beta1, beta2, eps,
+                                  weight_decay, bc1, bc2, BLOCK=self.block)
+        return out
+
+
+RANDOM = '''
+@triton.jit
+def kernel(off_ptr, out_ptr, N, seed, NORMAL: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    off = tl.load(off_ptr + i, mask=mask, other=0)
+    if NORMAL:
+        r = tl.randn(seed, off)
+    else:
+        r = tl.rand(seed, off)
+    tl.store(out_ptr + i, r, mask=mask)
+'''
+
+
+class _Random:
+    """rand / randn: Triton's Philox on the same (key, global flat index) as eager."""
+
+    accepts_out = True
+
+    def __init__(self, name, shape, dtype, offsets):
+        self.normal, self.shape, self.dtype = name == "randn", tuple(shape), np.dtype(dtype)
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64).reshape(-1)
+        self.mod, self.path = _load(PRELUDE + RANDOM)
+        self.source = PRELUDE + RANDOM
+        self.n = self.offsets.size
+        self.block = min(1 << 14, 1 << max(4, (self.n - 1).bit_length()))
+
+    def __call__(self, like, *, key, dtype, out=None):
+        from dtensor.compile.triton_adapter import as_triton_arg
+        r = np.empty(self.n, np.float32)
+        if self.n:
+            grid = ((self.n + self.block - 1) // self.block,)
+            self.mod.kernel[grid](as_triton_arg(self.offsets), as_triton_arg(r), self.n,
+                                  int(key), NORMAL=self.normal, BLOCK=self.block)
+        return r.reshape(self.shape).astype(self.dtype, copy=False)
+
+
+def _kernel_for(n: Node):
+    """A Triton kernel for node ``n`` and the params it is called with, or None (the node
+    stays a numpy call)."""
+    from dtensor.compile.passes.fusion import pointwise_op
+    from dtensor.dtensor import _block_offsets, _rand_local, _randn_local
+    from dtensor.ops.registry import OPS
+    arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
+    if n.name == "fused" or pointwise_op(n) is not None:
+        if not n.shape:
+            return None
+        ops = n.params["ops"] if n.name == "fused" else [
+            (n.name, OPS[n.name], [("in", next(k for k, b in enumerate(arrays) if a is b))
+                                   if isinstance(a, (Node, np.ndarray)) else ("const", a)
+                                   for a in n.inputs], dict(n.params))]
+        return _Pointwise(ops, n.shape, n.dtype, [a.shape for a in arrays],
+                          [a.dtype for a in arrays], f"{n.name} {n.note}"), {}
+    if n.dtype is None or n.dtype.kind != "f" or not n.shape:
+        return None
+    local = getattr(n.fn, "func", None)
+    if local in (_rand_local, _randn_local):  # a DTensor block: its global flat offsets
+        offsets = _block_offsets(n.fn.keywords["out_spec"])
+        name = "rand" if local is _rand_local else "randn"
+        return _Random(name, n.shape, n.dtype, offsets), {k: n.params[k] for k in ("key",
+                                                                                 "dtype")}
+    op = OPS.get(n.name)
+    if op is None or n.fn is not op.impl:
+        return None
+    if n.name in _ROW_KIND:
+        return _Rowwise(n.name, n.params, n.shape, n.dtype), {}
+    if n.name == "adamw_step":
+        return _AdamW(n.shape, n.dtype), dict(n.params)
+    if n.name in ("rand", "randn"):
+        return (_Random(n.name, n.shape, n.dtype, np.arange(int(np.prod(n.shape)))),
+                {k: n.params[k] for k in ("key", "dtype")})
+    return None
+
+
+def lower_graph(graph: Graph) -> list:
+    """Give every node a Triton kernel can run its kernel (``node.fn``, with the params it is
+    called with); returns [(node, kernel)]."""
+    ensure_triton()
+    kernels = []
+    for n in graph.nodes:
+        found = _kernel_for(n)
+        if found is not None:
+            n.fn, n.params = found
+            n.kind = "triton"
+            kernels.append((n, n.fn))
+    return kernels

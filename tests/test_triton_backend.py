@@ -1,0 +1,178 @@
+"""dtensor.compile(backend="triton"): every fused-group kind as a generated Triton kernel, run
+under the Triton interpreter on CPU, equals the numpy backend and eager; the GPT train step too."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dtensor
+import dtensor.nn.functional as F
+from dtensor.nn import GPT, Block, GPTConfig
+from dtensor.ops import nn as nnops
+
+SMALL = dict(vocab_size=96, n_layer=2, n_embd=32, n_head=4, mlp_hidden=64, block_size=16,
+             bias=False)
+
+
+def arr(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def three_ways(f, *args, rtol=1e-5, atol=1e-6, exact=False):
+    """f eager, through the numpy backend and through the Triton backend: all equal."""
+    def fresh():
+        return [dtensor.Tensor(a, requires_grad=a.dtype.kind == "f") if isinstance(a, np.ndarray)
+                else a for a in args]
+
+    dtensor.manual_seed(7)
+    want = f(*fresh())
+    outs = []
+    for backend in ("numpy", "triton"):
+        dtensor.manual_seed(7)
+        compiled = dtensor.compile(f, backend=backend)
+        outs.append(compiled(*fresh()))
+    kernels = [n for n in compiled.last.graph.nodes if n.kind == "triton"]
+    assert kernels, "no Triton kernel was generated"
+    for got in outs:
+        for a, b in zip(got, want):
+            if exact:
+                np.testing.assert_array_equal(a.numpy(), b.numpy())
+            else:
+                np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=rtol, atol=atol)
+    return kernels
+
+
+def test_pointwise_chain_is_one_kernel_with_a_broadcast_input():
+    def f(x, y, b):
+        return (((x * y + b).exp() - 1.0) * 0.5,)
+
+    kernels = three_ways(f, arr(6, 5), arr(6, 5, seed=1), arr(5, seed=2))
+    assert [k.name for k in kernels] == ["fused"] and "mul add exp sub mul" in kernels[0].note
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_softmax_forward_and_backward(causal):
+    w = arr(2, 3, 8, 8, seed=4)
+
+    def f(x):
+        y = nnops.softmax(x, causal=causal)
+        (gx,) = dtensor.autograd.grad((y * w).sum(), [x])
+        return y, gx
+
+    kernels = three_ways(f, arr(2, 3, 8, 8))
+    assert {"softmax", "softmax_backward"} <= {k.name for k in kernels}
+
+
+def test_layer_norm_forward_and_backward():
+    w, b = arr(24, seed=1), arr(24, seed=2)
+
+    def f(x):
+        y = F.layer_norm(x, (24,), dtensor.Tensor(w), dtensor.Tensor(b))
+        (gx,) = dtensor.autograd.grad((y * y).sum(), [x])
+        return y, gx
+
+    kernels = three_ways(f, arr(5, 7, 24), rtol=1e-4, atol=1e-5)
+    assert {"normalize", "normalize_backward"} <= {k.name for k in kernels}
+
+
+def test_cross_entropy_forward_and_backward():
+    t = np.random.default_rng(3).integers(0, 40, 12)
+
+    def f(x):
+        loss = F.cross_entropy(x, t)
+        (gx,) = dtensor.autograd.grad(loss, [x])
+        return loss, gx
+
+    kernels = three_ways(f, arr(12, 40))
+    assert {"log_softmax", "log_softmax_backward"} <= {k.name for k in kernels}
+
+
+def test_dropout_draws_the_same_bits():
+    def f(x):
+        return (F.dropout(x, 0.3),)
+
+    kernels = three_ways(f, arr(33, 17), exact=True)
+    assert "rand" in {k.name for k in kernels}
+
+
+def test_adamw_update_and_a_gpt_step():
+    """Two AdamW steps of a small GPT (dropout on): Triton = numpy backend = eager, float32."""
+    def run(backend):
+        dtensor.manual_seed(0)
+        model = GPT(GPTConfig(**SMALL, dropout=0.1))
+        opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(x, y):
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        f = step if backend is None else dtensor.compile(step, backend=backend)
+        rng = np.random.default_rng(0)
+        losses = [f(*(rng.integers(0, 96, (4, 16)) for _ in "xy")).item() for _ in range(2)]
+        kinds = set() if backend is None else {n.name for n in f.last.graph.nodes
+                                               if n.kind == "triton"}
+        return losses, [p.numpy().copy() for p in model.parameters()], kinds
+
+    eager, numpy_, triton = run(None), run("numpy"), run("triton")
+    assert {"adamw_step", "fused", "rand", "normalize", "softmax", "log_softmax",
+            "gelu"} <= triton[2]
+    for other in (numpy_, triton):
+        np.testing.assert_allclose(other[0], eager[0], rtol=1e-6)
+        for a, b in zip(other[1], eager[1]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_block_forward_kernel_count():
+    """Pointwise ops between two matmuls always end up in one kernel: no Triton pointwise
+    kernel feeds another one directly. The count per block forward is printed."""
+    from dtensor.compile.passes.fusion import pointwise_op
+
+    dtensor.manual_seed(0)
+    block = Block(GPTConfig(**SMALL, dropout=0.1))
+    compiled = dtensor.compile(block, backend="triton")
+    with dtensor.no_grad():
+        compiled(dtensor.Tensor(arr(2, 16, 32)))
+    graph = compiled.last.graph
+    triton_nodes = [n for n in graph.nodes if n.kind == "triton"]
+    pointwise = {n.id for n in triton_nodes if n.name == "fused" or pointwise_op(n) is not None}
+    users = graph.users()
+    for n in graph.nodes:
+        if n.id in pointwise:
+            for a in n.inputs:
+                if getattr(a, "id", None) in pointwise and len(users[a.id]) == 1 \
+                        and a.shape == n.shape:
+                    pytest.fail(f"%{a.id} and %{n.id} are both pointwise kernels:\n{graph}")
+    print(f"kernels per block forward: {len(triton_nodes)} triton + "
+          f"{sum(1 for n in graph.nodes if n.name == 'matmul')} matmul (extern)")
+
+
+@pytest.mark.ranks(2, timeout=300)
+def test_tensor_parallel_step_with_triton_kernels(rank):
+    """A small GPT at tp=2, two steps with backend="triton": as eager."""
+    from dtensor.parallel import parallelize
+
+    def run(backend):
+        dtensor.manual_seed(0)
+        model = GPT(GPTConfig(**SMALL, dropout=0.1))
+        parallelize(model, dtensor.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(x, y):
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        f = step if backend is None else dtensor.compile(step, backend=backend)
+        rng = np.random.default_rng(0)
+        losses = [f(*(rng.integers(0, 96, (4, 16)) for _ in "xy")).item() for _ in range(2)]
+        return losses, [p.full_tensor().numpy() for p in model.parameters()]
+
+    eager, triton = run(None), run("triton")
+    np.testing.assert_allclose(triton[0], eager[0], rtol=1e-6)
+    for a, b in zip(triton[1], eager[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)

@@ -60,6 +60,9 @@ def __getattr__(name):
                 "visualize_sharding"):
         from dtensor import dtensor as _dt
         return getattr(_dt, name)
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module("dtensor.checkpoint")
     if name == "compile":  # the callable module dtensor.compile (compile/ in the repository)
         import importlib
         return importlib.import_module("dtensor.compile")

@@ -66,6 +66,49 @@ class Optimizer:
     def _update(self, p, g, state: dict, group: dict) -> None:
         raise NotImplementedError
 
+    def _init_state(self, p, state: dict) -> None:
+        """Create a parameter's state as its first step would (zeros), so that a fresh
+        optimizer's state_dict() has every entry a checkpoint can be loaded into."""
+
+    # -- state (PyTorch's format: parameters by index in group order)
+    def state_dict(self) -> dict:
+        """``{"state": {index: {name: value}}, "param_groups": [{hyper..., "params": [index]}]}``.
+
+        The per-parameter dicts and their tensors are the live ones (a checkpoint load fills
+        them in place); missing state is created first, as zeros.
+        """
+        state, groups, i = {}, [], 0
+        for group in self.param_groups:
+            idx = []
+            for p in group["params"]:
+                st = self.state.setdefault(p, {})
+                self._init_state(p, st)
+                state[i] = st
+                idx.append(i)
+                i += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": idx})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take hyperparameters and per-parameter state from ``state_dict`` (as state_dict())."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(own["params"]) for g, own in zip(groups,
+                                                                         self.param_groups)):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state has "
+                f"{[len(g['params']) for g in groups]} parameters per group, this optimizer "
+                f"{[len(g['params']) for g in self.param_groups]}; build it over the same "
+                f"parameters.")
+        states = {int(k): v for k, v in state_dict["state"].items()}
+        for g, own in zip(groups, self.param_groups):
+            for k, v in g.items():
+                if k != "params":
+                    own[k] = tuple(v) if isinstance(own.get(k), tuple) else v
+            for i, p in zip(g["params"], own["params"]):
+                if i in states:
+                    self.state[p] = states[i]
+
 
 def _check(name, value, lo=0.0, hi=math.inf):
     if not lo <= value < hi:
@@ -111,6 +154,13 @@ class AdamW(Optimizer):
                                       weight_decay=weight_decay))
 
     dynamic_hyperparameters = ("lr",)
+
+    def _init_state(self, p, state):
+        if "exp_avg" not in state:
+            with no_grad():
+                state["exp_avg"] = p.detach() * 0.0
+                state["exp_avg_sq"] = p.detach() * 0.0
+            state.setdefault("step", 0)
 
     def _scalars(self, p, group) -> dict:
         """This step's learning rate and bias corrections; advances the parameter's step."""

@@ -36,6 +36,8 @@ __all__ = [
     "pair_uniform_to_normal",
     "manual_seed",
     "initial_seed",
+    "get_rng_state",
+    "set_rng_state",
     "next_key",
     "uniform",
     "normal",
@@ -200,6 +202,17 @@ def manual_seed(seed: int) -> None:
     global _seed, _stream
     _seed = int(seed) & _MASK64
     _stream = 0
+
+
+def get_rng_state() -> dict:
+    """The generator's whole state, (seed, stream), as a JSON-able dict (for checkpoints)."""
+    return {"seed": _seed, "stream": _stream}
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore a state from :func:`get_rng_state`: the next keys are the ones that followed it."""
+    global _seed, _stream
+    _seed, _stream = int(state["seed"]) & _MASK64, int(state["stream"])
 
 
 def initial_seed() -> int:

@@ -6,6 +6,8 @@ imported).
     dtlaunch --nproc 8 examples/train.py            # 2-D mesh: dp=4 x tp=2, the same loss curve
     dtlaunch --nproc 4 examples/train.py --tp 2 --dp 2 --sp --fsdp
     python examples/train.py --compile              # the whole step through dtensor.compile
+    python examples/train.py --save-every 100       # sharded checkpoints in checkpoints/train
+    dtlaunch --nproc 4 examples/train.py --resume checkpoints/train   # continue, any layout
     python examples/train.py --steps 100 --n-layer 2
     python examples/train.py --help
 
@@ -59,6 +61,10 @@ class TrainConfig:
     sp: bool = False
     fsdp: bool = False
     compile: bool = False  # run the whole train step through dtensor.compile
+    log_every: int = 10
+    save_every: int = 0  # > 0: a sharded checkpoint every this many steps
+    save_dir: str = "checkpoints/train"
+    resume: str = ""  # a checkpoint folder to continue from (any --nproc / layout)
 
 
 # ----------------------------------------------------------------------------- data
@@ -191,15 +197,32 @@ def main(argv=None) -> float:
         return loss
 
     step_fn = dtensor.compile(train_step) if cfg.compile else train_step
+    def state() -> dict:
+        """Everything a resumed run needs to continue exactly: weights, optimizer, the
+        counter-based RNG and the data order's RNG, the step."""
+        return {"model": model.state_dict(), "optim": opt.state_dict(),
+                "rng": dtensor.random.get_rng_state(),
+                "data_rng": data.rng.bit_generator.state, "step": 0}
+
+    start = 0
+    if cfg.resume:
+        st = state()
+        dtensor.checkpoint.load(st, cfg.resume)
+        opt.load_state_dict(st["optim"])
+        dtensor.random.set_rng_state(st["rng"])
+        data.rng.bit_generator.state = st["data_rng"]
+        start = st["step"]
+        print_(f"resumed from {cfg.resume} at step {start}")
+
     tokens = cfg.batch_size * cfg.block_size
     t_last, loss_val = time.perf_counter(), float("nan")
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss_val = step_fn(*data.batch("train", cfg.batch_size, cfg.block_size)).item()
-        if step % 10 == 0 or step == cfg.steps - 1:
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
             now = time.perf_counter()
-            n = 1 if step == 0 else min(10, step)
+            n = 1 if step == start else min(cfg.log_every, step - start)
             print_(f"step {step:5d} {progress(step + 1, cfg.steps)}  loss {loss_val:.4f}  "
                   f"lr {lr_at(step, cfg):.2e}  {n * tokens / (now - t_last):8.0f} tok/s",
                   flush=True)
@@ -207,6 +230,11 @@ def main(argv=None) -> float:
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             val = evaluate(model, data, cfg)
             print_(f"step {step:5d} val loss {val:.4f}", flush=True)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            st = state()
+            st["step"] = step + 1
+            dtensor.checkpoint.save(st, cfg.save_dir)
+            print_(f"step {step:5d} saved {cfg.save_dir}", flush=True)
 
     val = evaluate(model, data, cfg)
     print_(f"final: train loss {loss_val:.4f}, val loss {val:.4f}, "

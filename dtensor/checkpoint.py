@@ -211,20 +211,28 @@ class _Files:
     """Open .npz files, read lazily; no pickle."""
 
     def __init__(self, folder: Path):
-        self.folder, self.open = folder, {}
+        self.folder, self.open, self.handles = folder, {}, []
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.close()
 
     def block(self, b, key) -> np.ndarray:
         path = self.folder / b["file"]
         try:
             f = self.open.get(path)
             if f is None:
-                f = self.open[path] = np.load(path, allow_pickle=False)
+                handle = open(path, "rb")
+                self.handles.append(handle)
+                f = self.open[path] = np.load(handle, allow_pickle=False)
             a = f[b["entry"]]
         except FileNotFoundError:
             raise CheckpointError(f"{path} is missing (block of {key!r}).") from None
         except Exception as e:  # a truncated or corrupt zip / npy
-            raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file "
-                                  f"is truncated or corrupt (block of {key!r}).") from None
+            what = ("checksum mismatch (the zip member's CRC-32)" if "CRC" in str(e)
+                    else "the file is truncated or corrupt")
+            raise CheckpointError(f"{path} cannot be read for {key!r}: {what} "
+                                  f"({type(e).__name__}: {e}).") from None
         if list(a.shape) != b["shape"]:
             raise CheckpointError(f"{path}: block of {key!r} has shape {list(a.shape)}, metadata "
                                   f"says {b['shape']}.")
@@ -262,6 +270,13 @@ def load(state_dict, path, *, strict: bool = True) -> None:
                               f"{missing[:10]}, unexpected keys {unexpected[:10]}. Build the "
                               f"same model and optimizer, or pass strict=False.")
     files = _Files(folder)
+    try:
+        _fill(flat, meta, files)
+    finally:
+        files.close()
+
+
+def _fill(flat, meta, files) -> None:
     for key, (parent, k, v) in flat.items():
         if key in meta["values"]:
             parent[k] = meta["values"][key]

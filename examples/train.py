@@ -65,6 +65,7 @@ class TrainConfig:
     save_every: int = 0  # > 0: a sharded checkpoint every this many steps
     save_dir: str = "checkpoints/train"
     resume: str = ""  # a checkpoint folder to continue from (any --nproc / layout)
+    stop_after: int = 0  # > 0: stop after this many steps (as if interrupted), schedule intact
 
 
 # ----------------------------------------------------------------------------- data
@@ -235,6 +236,9 @@ def main(argv=None) -> float:
             st["step"] = step + 1
             dtensor.checkpoint.save(st, cfg.save_dir)
             print_(f"step {step:5d} saved {cfg.save_dir}", flush=True)
+        if cfg.stop_after and step + 1 >= cfg.stop_after:
+            print_(f"stopping after step {step} (--stop-after)")
+            return float("nan")
 
     val = evaluate(model, data, cfg)
     print_(f"final: train loss {loss_val:.4f}, val loss {val:.4f}, "
@@ -248,4 +252,5 @@ def main(argv=None) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() < 2.5 else 1)
+    val = main()
+    sys.exit(0 if val < 2.5 or math.isnan(val) else 1)

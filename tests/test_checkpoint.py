@@ -246,3 +246,27 @@ def test_resume_on_another_world_size_gives_the_same_losses(tmp_path):
     resumed = {**first, **second}
     assert [resumed[s] for s in range(6)] == pytest.approx([straight[s] for s in range(6)],
                                                            rel=1e-5)
+
+
+KILLED_MID_STEP = """
+    import os, numpy as np, dtensor
+    from dtensor.nn import GPT, GPTConfig
+    from dtensor.parallel import parallelize
+    dtensor.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=97, n_layer=2, n_embd=32, n_head=4, mlp_hidden=66,
+                          block_size=16))
+    parallelize(model, dtensor.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    rng = np.random.default_rng(0)
+    _, loss = model(rng.integers(0, 97, (4, 16)), rng.integers(0, 97, (4, 16)))
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), 9)  # dies between forward and backward
+    loss.backward()  # rank 0 waits in the backward's all-reduce for a rank that is gone
+"""
+
+
+def test_a_rank_killed_mid_step_ends_the_job(tmp_path):
+    from test_launcher import assert_no_orphans, dtlaunch
+    status, out, seconds, script = dtlaunch(tmp_path, KILLED_MID_STEP, "--nproc", "2")
+    assert status != 0 and seconds < 15, (status, seconds, out)
+    assert out.splitlines()[-1].startswith("dtlaunch: job failed"), out
+    assert_no_orphans(script)

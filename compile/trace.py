@@ -195,6 +195,3 @@ class Tracer:
 def _redistribute(x, *, spec, placements, impl):
     return impl(x, spec, placements)
 
-
-def active() -> "Tracer | None":
-    return _ACTIVE

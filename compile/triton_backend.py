@@ -98,14 +98,18 @@ def gelu_tanh_grad(g, x):
 
 
 def ensure_triton():
-    """Import triton, under the interpreter when there is no GPU runtime."""
+    """Import triton for kernels that run on numpy arrays, i.e. under the interpreter.
+
+    The interpreter must be chosen before triton is first imported: triton's own library
+    functions (tl.sum, tl.rand, ...) are compiled-mode objects otherwise.
+    """
     if "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ["TRITON_INTERPRET"] = "1"
     elif os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
-            "dtensor.compile(backend='triton') on CPU runs kernels under Triton's interpreter, "
-            "which must be chosen before triton is imported: set TRITON_INTERPRET=1 in the "
-            "environment (or import dtensor.compile before triton).")
+            "dtensor.compile(backend='triton') runs its kernels on numpy arrays under Triton's "
+            "interpreter, which must be chosen before triton is imported: set "
+            "TRITON_INTERPRET=1 in the environment, or compile before importing triton.")
     import triton
     return triton
 

@@ -201,7 +201,8 @@ def _offsets() -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def triton_results(tmp_path_factory):
-    pytest.importorskip("triton")
+    if importlib.util.find_spec("triton") is None:  # find, not import: importing triton here
+        pytest.skip("triton is not installed")  # would fix its mode for the whole session
     d = tmp_path_factory.mktemp("triton_rng")
     (d / "k.py").write_text(_KERNEL_SCRIPT)
     (d / "cfg.json").write_text(json.dumps({"seeds": SEEDS, "block": 1024}))

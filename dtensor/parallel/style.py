@@ -200,7 +200,7 @@ class SequenceParallel(ParallelStyle):
         return module
 
 
-def _per_arg(layouts, name: str) -> tuple:
+def _per_arg(layouts) -> tuple:
     if layouts is None:
         return ()
     return tuple(layouts) if isinstance(layouts, Sequence) else (layouts,)
@@ -213,8 +213,8 @@ class PrepareModuleInput(ParallelStyle):
     def __init__(self, *, input_layouts=None, desired_input_layouts=None,
                  input_kwarg_layouts: dict | None = None,
                  desired_input_kwarg_layouts: dict | None = None, use_local_output: bool = False):
-        self.input_layouts = _per_arg(input_layouts, "input_layouts")
-        self.desired_input_layouts = _per_arg(desired_input_layouts, "desired_input_layouts")
+        self.input_layouts = _per_arg(input_layouts)
+        self.desired_input_layouts = _per_arg(desired_input_layouts)
         if len(self.input_layouts) != len(self.desired_input_layouts):
             raise ValueError(f"PrepareModuleInput: input_layouts {self.input_layouts} and "
                              f"desired_input_layouts {self.desired_input_layouts} must have one "
@@ -252,8 +252,8 @@ class PrepareModuleOutput(ParallelStyle):
     """Convert a module's output(s) from ``output_layouts`` to ``desired_output_layouts``."""
 
     def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
-        self.output_layouts = _per_arg(output_layouts, "output_layouts")
-        self.desired_output_layouts = _per_arg(desired_output_layouts, "desired_output_layouts")
+        self.output_layouts = _per_arg(output_layouts)
+        self.desired_output_layouts = _per_arg(desired_output_layouts)
         if len(self.output_layouts) != len(self.desired_output_layouts):
             raise ValueError(f"PrepareModuleOutput: output_layouts {self.output_layouts} and "
                              f"desired_output_layouts {self.desired_output_layouts} must have "

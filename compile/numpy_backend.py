@@ -56,8 +56,8 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
     if graph.inputs:
         lines.append("    " + "".join(f"v{n.id}, " for n in graph.inputs) + "= I")
     for i, n in enumerate(graph.nodes):
-        if n.name == "fused" and n.fn is None:
-            tables["F"].append(fused_kernel(n))
+        if n.name in ("fused", "fused_rows") and n.fn is None:
+            tables["F"].append(fused_kernel(n) if n.name == "fused" else row_kernel(n))
             fixed = {}
         else:
             tables["F"].append(n.fn)
@@ -121,6 +121,40 @@ def fused_kernel(node: Node):
                 args = [views[r][lo:hi] if kind == "in" else vals[r] if kind == "op" else r
                         for kind, r in refs]
                 vals.append(op.impl(*args, **params))
+            flat[lo:hi] = vals[-1]
+        return out
+
+    return run
+
+
+def rows_view(x: np.ndarray, lead: tuple, last: int) -> np.ndarray:
+    """``x`` broadcast to a row group's (rows, last) or (rows, 1) layout (a view if it can)."""
+    c = last if (x.ndim and x.shape[-1] == last and last != 1) else 1
+    return np.broadcast_to(x, lead + (c,)).reshape(-1, c)
+
+
+def row_kernel(node: Node):
+    """A row group (pointwise ops and last-dim reductions over the same rows) as one
+    cache-blocked numpy function: each block of rows goes through every op, reductions
+    included, before the next block is read."""
+    ops, shape, dtype = node.params["ops"], tuple(node.shape), node.dtype
+    lead, last = node.params["row_shape"]
+    rows = int(np.prod(lead)) if lead else 1
+    per = max(1, _BLOCK_BYTES // max(1, last * dtype.itemsize))
+    reduce = {"sum": np.sum, "max": np.max}
+
+    def run(*inputs, out=None):
+        out = np.empty(shape, dtype) if out is None else out
+        flat = out.reshape(rows, shape[-1])
+        views = [rows_view(x, lead, last) for x in inputs]
+        for lo in range(0, rows, per):
+            hi = min(lo + per, rows)
+            vals = []
+            for name, op, refs, params in ops:
+                args = [views[r][lo:hi] if kind == "in" else vals[r] if kind == "op" else r
+                        for kind, r in refs]
+                vals.append(reduce[name](args[0], axis=1, keepdims=True) if name in reduce
+                            else op.impl(*args, **params))
             flat[lo:hi] = vals[-1]
         return out
 

@@ -205,6 +205,69 @@ class _Pointwise:
         return out
 
 
+class _RowGroup:
+    """Pointwise ops and last-dim reductions over the same rows as one 2-D tiled kernel: a
+    program holds BLOCK_R whole rows, so a reduction is tl.sum / tl.max along axis 1 and its
+    (BLOCK_R, 1) result broadcasts back into the row's later ops (an RMSNorm in one kernel)."""
+
+    accepts_out = True
+
+    def __init__(self, node: Node, in_shapes, in_dtypes):
+        ops, self.shape, self.dtype = node.params["ops"], tuple(node.shape), node.dtype
+        lead, C = node.params["row_shape"]
+        self.R = int(np.prod(lead)) if lead else 1
+        self.last = self.shape[-1]
+        self.block_c = 1 << max(0, (C - 1).bit_length())
+        self.block_r = max(1, min(1 << 12, (1 << 14) // self.block_c))
+        self.views = []  # per input: (column?, row-offset expr, col stride)
+        lines = [f"# {node.name} {node.note}", "@triton.jit",
+                 "def kernel(" + "".join(f"in{k}, " for k in range(len(in_shapes)))
+                 + "out, R, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):",
+                 "    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]",
+                 "    cols = tl.arange(0, BLOCK_C)[None, :]",
+                 "    rmask = rows < R",
+                 f"    mask = rmask & (cols < {C})"]
+        for k, (shp, dt) in enumerate(zip(in_shapes, in_dtypes)):
+            view = np.broadcast_to(np.empty(shp, dt), lead + ((C,) if (
+                len(shp) and shp[-1] == C and C != 1) else (1,)))
+            st = [v // np.dtype(dt).itemsize for v in view.strides]
+            row = _offset_expr(lead, lead, st[:-1]).replace("offs", "rows") if lead else "0"
+            column = view.shape[-1] == 1
+            off = row if column else f"{row} + cols * {st[-1]}"
+            lines.append(f"    a{k} = tl.load(in{k} + ({off}), "
+                         f"mask={'rmask' if column else 'mask'})")
+        for j, (name, op, refs, params) in enumerate(ops):
+            args = [f"a{r}" if kind == "in" else f"t{r}" if kind == "op" else _literal(r)
+                    for kind, r in refs]
+            if name == "sum":
+                expr = f"tl.sum(tl.where(mask, {args[0]}, 0.0), axis=1)[:, None]"
+            elif name == "max":
+                expr = f"tl.max(tl.where(mask, {args[0]}, -float('inf')), axis=1)[:, None]"
+            else:
+                expr = _expr(op, params, args)
+            lines.append(f"    t{j} = {expr}")
+        res = f"(t{len(ops) - 1}).to({_TL_TYPES[self.dtype.name]})"
+        if self.last == 1:
+            lines.append(f"    tl.store(out + rows + cols * 0, {res} + cols * 0, "
+                         f"mask=rmask & (cols < 1))")
+        else:
+            lines.append(f"    tl.store(out + rows * {self.last} + cols, {res}, mask=mask)")
+        self.source = PRELUDE + "\n\n" + "\n".join(lines) + "\n"
+        self.mod, self.path = _load(self.source)
+
+    def __call__(self, *inputs, out=None):
+        from dtensor.compile.triton_adapter import as_triton_arg
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        args = [as_triton_arg(np.ascontiguousarray(x)) for x in inputs
+                if isinstance(x, np.ndarray)]
+        grid = ((self.R + self.block_r - 1) // self.block_r,)
+        if self.R:
+            with np.errstate(all="ignore"):
+                self.mod.kernel[grid](*args, as_triton_arg(out), self.R, BLOCK_R=self.block_r,
+                                      BLOCK_C=self.block_c)
+        return out
+
+
 ROWWISE = '''
 @triton.jit
 def kernel(x_ptr, g_ptr, out_ptr, R, C, L, eps, KIND: tl.constexpr, CAUSAL: tl.constexpr,
@@ -370,6 +433,8 @@ def _kernel_for(n: Node):
     from dtensor.dtensor import _block_offsets, _rand_local, _randn_local
     from dtensor.ops.registry import OPS
     arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
+    if n.name == "fused_rows":
+        return _RowGroup(n, [a.shape for a in arrays], [a.dtype for a in arrays]), {}
     if n.name == "fused" or pointwise_op(n) is not None:
         if not n.shape:
             return None

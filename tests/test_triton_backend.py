@@ -75,6 +75,21 @@ def test_layer_norm_forward_and_backward():
     assert {"normalize", "normalize_backward"} <= {k.name for k in kernels}
 
 
+def test_rms_norm_row_groups():
+    """RMSNorm's square, row sum, scale, sqrt (and its backward's row reduction) run as row
+    kernels: pointwise ops and a last-dim reduction in one kernel."""
+    w = arr(24, seed=1)
+
+    def f(x):
+        y = F.rms_norm(x, (24,), dtensor.Tensor(w), 1e-6)
+        (gx,) = dtensor.autograd.grad((y * y).sum(), [x])
+        return y, gx
+
+    kernels = three_ways(f, arr(5, 7, 24))
+    rows = [k for k in kernels if k.name == "fused_rows"]
+    assert len(rows) == 2 and "mul sum div add sqrt" in rows[0].note
+
+
 def test_cross_entropy_forward_and_backward():
     t = np.random.default_rng(3).integers(0, 40, 12)
 

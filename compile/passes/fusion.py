@@ -1,4 +1,5 @@
-"""Fusion: chains of pointwise ops become one ``fused`` node (one kernel).
+"""Fusion: chains of pointwise ops become one ``fused`` node (one kernel), and pointwise ops
+mixed with last-dim reductions over the same rows one ``fused_rows`` node.
 
 A pointwise op (registry ``shard == "pointwise"`` with a ``lower`` template) joins the group of
 an input when that input is the group's last node, has no other user, and has the same shape;
@@ -27,19 +28,52 @@ def pointwise_op(n: Node):
     return op
 
 
+def row_reduction(n: Node) -> bool:
+    """A sum or max over the last dim that keeps it (a (..., 1) column), on whole blocks."""
+    from dtensor.ops.registry import OPS
+    op = OPS.get(n.name)
+    if n.kind != "op" or n.name not in ("sum", "max") or op is None or n.fn is not op.impl:
+        return False
+    x = n.inputs[0] if n.inputs else None
+    return (isinstance(x, Node) and len(x.shape) >= 1 and n.params.get("keepdims")
+            and tuple(n.params.get("axis", ())) == (len(x.shape) - 1,))
+
+
+def _fusible(n: Node) -> bool:
+    return bool(n.shape) and (pointwise_op(n) is not None or row_reduction(n))
+
+
+def _fits(group_shape, shape) -> bool:
+    """Same leading dims, and a last dim that is the group's or 1 (a per-row column)."""
+    lead, last = group_shape
+    return (len(shape) == len(lead) + 1 and tuple(shape[:-1]) == lead
+            and (shape[-1] in (last, 1) or last == 1))
+
+
+def _row_shape(shapes) -> tuple:
+    return tuple(shapes[0][:-1]), max(s[-1] for s in shapes)
+
+
 def fuse_pointwise(graph: Graph) -> Graph:
+    """Pointwise chains, and row groups: pointwise ops and last-dim reductions over the same
+    rows (an RMSNorm: square, sum, scale, sqrt, divide, weight) become one node."""
     users = graph.users()
     out_ids = {o.id for o in graph.outputs if isinstance(o, Node)}
     group_of: dict[int, list[Node]] = {}  # node id -> its group (members in program order)
     for n in graph.nodes:
-        if pointwise_op(n) is None:
+        if not _fusible(n):
             continue
         members = []
         for a in n.inputs:
             g = group_of.get(a.id) if isinstance(a, Node) else None
             if (g is not None and g[-1] is a and len(users.get(a.id, ())) == 1
-                    and a.id not in out_ids and a.shape == n.shape and g is not members):
-                members = sorted(set(members) | set(g), key=lambda m: m.id) if members else g
+                    and a.id not in out_ids and g is not members):
+                merged = sorted(set(members) | set(g), key=lambda m: m.id) if members else g
+                shapes = [m.shape for m in merged] + [n.shape]
+                if all(_fits(_row_shape(shapes), sh) for sh in shapes) and (
+                        any(row_reduction(m) for m in merged + [n])
+                        or all(sh == n.shape for sh in shapes)):
+                    members = merged
         group = (members if members else []) + [n]
         for m in group:
             group_of[m.id] = group
@@ -67,8 +101,13 @@ def fuse_pointwise(graph: Graph) -> Graph:
                 else:
                     refs.append(("const", a))
             ops.append((m.name, pointwise_op(m), refs, dict(m.params)))
-        fused = Node(tail.id, "op", "fused", externals, {"ops": ops}, tail.shape, tail.dtype,
-                     fn=None, note="[" + " ".join(m.name for m in group) + "]")
+        rows = any(row_reduction(m) for m in group)
+        params = {"ops": ops}
+        if rows:
+            params["row_shape"] = _row_shape([m.shape for m in group])
+        fused = Node(tail.id, "op", "fused_rows" if rows else "fused", externals, params,
+                     tail.shape, tail.dtype, fn=None,
+                     note="[" + " ".join(m.name for m in group) + "]")
         fused_at[tail.id] = fused
         drop.update(m.id for m in group[:-1])
     if fused_at:

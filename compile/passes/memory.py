@@ -19,7 +19,8 @@ def _out_capable(n: Node) -> bool:
     from dtensor.ops.structural import _matmul_impl
     if n.kind not in ("op", "triton") or n.dtype is None or n.dtype.kind not in "fiub":
         return False
-    if (n.name == "fused" and n.fn is None) or getattr(n.fn, "accepts_out", False):
+    if (n.name in ("fused", "fused_rows") and n.fn is None) or getattr(n.fn, "accepts_out",
+                                                                         False):
         return True
     if n.fn is _matmul_impl:
         return len(n.shape) >= 2

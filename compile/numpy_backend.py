@@ -110,14 +110,21 @@ def fused_kernel(node: Node):
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     per = max(1, _BLOCK_BYTES // max(1, last * dtype.itemsize))
 
-    def run(*inputs, out=None):
+    from dtensor import random
+    draw = {"rand": random.uniform, "randn": random.normal}
+
+    def run(*inputs, out=None, **keys):
         out = np.empty(shape, dtype) if out is None else out
         flat = out.reshape(rows, last)
         views = [np.broadcast_to(x, shape).reshape(rows, last) for x in inputs]
         for lo in range(0, rows, per):
             hi = min(lo + per, rows)
             vals = []
-            for _, op, refs, params in ops:
+            for j, (name, op, refs, params) in enumerate(ops):
+                if name in draw:  # element i of the draw is f(key, flat index i)
+                    offsets = np.arange(lo * last, hi * last, dtype=np.int64).reshape(-1, last)
+                    vals.append(draw[name](keys[f"key{j}"], offsets, params["dtype"]))
+                    continue
                 args = [views[r][lo:hi] if kind == "in" else vals[r] if kind == "op" else r
                         for kind, r in refs]
                 vals.append(op.impl(*args, **params))

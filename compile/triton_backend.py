@@ -173,17 +173,23 @@ class _Pointwise:
         for s, dt in zip(in_shapes, in_dtypes):
             view = np.broadcast_to(np.empty(s, dt), shape)
             bstrides.append([st // np.dtype(dt).itemsize for st in view.strides])
+        self.keys = [f"key{j}" for j, (name, *_) in enumerate(ops) if name in ("rand", "randn")]
         lines = [f"# {label}", "@triton.jit",
                  "def kernel(" + "".join(f"in{k}, " for k in range(len(in_shapes)))
-                 + "out, N, BLOCK: tl.constexpr):",
+                 + "out, N, " + "".join(f"{k}, " for k in self.keys) + "BLOCK: tl.constexpr):",
                  "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
                  "    mask = offs < N"]
         for k, (s, st) in enumerate(zip(in_shapes, bstrides)):
             lines.append(f"    a{k} = tl.load(in{k} + ({_offset_expr(shape, s, st)}), mask=mask)")
-        for j, (_, op, refs, params) in enumerate(ops):
+        for j, (name, op, refs, params) in enumerate(ops):
             args = [f"a{r}" if kind == "in" else f"t{r}" if kind == "op" else _literal(r)
                     for kind, r in refs]
-            lines.append(f"    t{j} = {_expr(op, params, args)}")
+            if name in ("rand", "randn"):  # Philox on (key, flat index): eager's numbers
+                expr = (f"tl.{name}(key{j}, offs)"
+                        f".to({_TL_TYPES[np.dtype(params['dtype']).name]})")
+            else:
+                expr = _expr(op, params, args)
+            lines.append(f"    t{j} = {expr}")
         out = f"t{len(ops) - 1}"
         if self.dtype != np.dtype(bool):
             out = f"({out}).to({_TL_TYPES[self.dtype.name]})"
@@ -192,7 +198,7 @@ class _Pointwise:
         self.mod, self.path = _load(self.source)
         self.block = min(1 << 14, 1 << max(4, (self.n - 1).bit_length()))
 
-    def __call__(self, *inputs, out=None):
+    def __call__(self, *inputs, out=None, **keys):
         from dtensor.compile.triton_adapter import as_triton_arg
         out = np.empty(self.shape, self.dtype) if out is None else out
         # Scalars are literals in the kernel; arrays are its pointer arguments.
@@ -201,7 +207,8 @@ class _Pointwise:
         grid = ((self.n + self.block - 1) // self.block,)
         if self.n:
             with np.errstate(all="ignore"):  # masked-off lanes may compute inf - inf
-                self.mod.kernel[grid](*args, as_triton_arg(out), self.n, BLOCK=self.block)
+                self.mod.kernel[grid](*args, as_triton_arg(out), self.n,
+                                      *[int(keys[k]) for k in self.keys], BLOCK=self.block)
         return out
 
 
@@ -442,8 +449,9 @@ def _kernel_for(n: Node):
             (n.name, OPS[n.name], [("in", next(k for k, b in enumerate(arrays) if a is b))
                                    if isinstance(a, (Node, np.ndarray)) else ("const", a)
                                    for a in n.inputs], dict(n.params))]
+        keys = {k: v for k, v in n.params.items() if k.startswith("key")}
         return _Pointwise(ops, n.shape, n.dtype, [a.shape for a in arrays],
-                          [a.dtype for a in arrays], f"{n.name} {n.note}"), {}
+                          [a.dtype for a in arrays], f"{n.name} {n.note}"), keys
     if n.dtype is None or n.dtype.kind != "f" or not n.shape:
         return None
     local = getattr(n.fn, "func", None)

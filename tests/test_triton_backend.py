@@ -107,7 +107,8 @@ def test_dropout_draws_the_same_bits():
         return (F.dropout(x, 0.3),)
 
     kernels = three_ways(f, arr(33, 17), exact=True)
-    assert "rand" in {k.name for k in kernels}
+    # The draw happens inside the kernel that uses it: the mask is never stored.
+    assert [k.name for k in kernels] == ["fused"] and "rand ge" in kernels[0].note
 
 
 def test_adamw_update_and_a_gpt_step():
@@ -132,8 +133,7 @@ def test_adamw_update_and_a_gpt_step():
         return losses, [p.numpy().copy() for p in model.parameters()], kinds
 
     eager, numpy_, triton = run(None), run("numpy"), run("triton")
-    assert {"adamw_step", "fused", "rand", "normalize", "softmax", "log_softmax",
-            "gelu"} <= triton[2]
+    assert {"adamw_step", "fused", "normalize", "softmax", "log_softmax", "gelu"} <= triton[2]
     for other in (numpy_, triton):
         np.testing.assert_allclose(other[0], eager[0], rtol=1e-6)
         for a, b in zip(other[1], eager[1]):

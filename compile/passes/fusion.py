@@ -39,8 +39,17 @@ def row_reduction(n: Node) -> bool:
             and tuple(n.params.get("axis", ())) == (len(x.shape) - 1,))
 
 
+def random_source(n: Node) -> bool:
+    """rand/randn on a whole tensor: element i is a pure function of (key, i), so a kernel can
+    draw it where it is used (dropout's mask is computed, never stored)."""
+    from dtensor.ops.registry import OPS
+    op = OPS.get(n.name)
+    return n.kind == "op" and n.name in ("rand", "randn") and n.fn is op.impl
+
+
 def _fusible(n: Node) -> bool:
-    return bool(n.shape) and (pointwise_op(n) is not None or row_reduction(n))
+    return bool(n.shape) and (pointwise_op(n) is not None or row_reduction(n)
+                              or random_source(n))
 
 
 def _fits(group_shape, shape) -> bool:
@@ -64,15 +73,16 @@ def fuse_pointwise(graph: Graph) -> Graph:
         if not _fusible(n):
             continue
         members = []
-        for a in n.inputs:
+        for a in ([] if random_source(n) else n.inputs):  # a draw starts a group
             g = group_of.get(a.id) if isinstance(a, Node) else None
             if (g is not None and g[-1] is a and len(users.get(a.id, ())) == 1
                     and a.id not in out_ids and g is not members):
                 merged = sorted(set(members) | set(g), key=lambda m: m.id) if members else g
                 shapes = [m.shape for m in merged] + [n.shape]
+                rows = any(row_reduction(m) for m in merged + [n])
+                draws = any(random_source(m) for m in merged)
                 if all(_fits(_row_shape(shapes), sh) for sh in shapes) and (
-                        any(row_reduction(m) for m in merged + [n])
-                        or all(sh == n.shape for sh in shapes)):
+                        (rows and not draws) or all(sh == n.shape for sh in shapes)):
                     members = merged
         group = (members if members else []) + [n]
         for m in group:
@@ -89,8 +99,13 @@ def fuse_pointwise(graph: Graph) -> Graph:
         inside = {m.id: j for j, m in enumerate(group)}
         externals: list = []
         ops = []
+        keys = {}
         for m in group:
             refs = []
+            if random_source(m):  # no inputs: its template only gave the shape
+                keys[f"key{len(ops)}"] = m.params["key"]
+                ops.append((m.name, None, [], {"dtype": m.params["dtype"]}))
+                continue
             for a in m.inputs:
                 if isinstance(a, Node) and a.id in inside:
                     refs.append(("op", inside[a.id]))
@@ -102,7 +117,7 @@ def fuse_pointwise(graph: Graph) -> Graph:
                     refs.append(("const", a))
             ops.append((m.name, pointwise_op(m), refs, dict(m.params)))
         rows = any(row_reduction(m) for m in group)
-        params = {"ops": ops}
+        params = {"ops": ops, **keys}  # a key is a Slot: the runtime passes key<j>=...
         if rows:
             params["row_shape"] = _row_shape([m.shape for m in group])
         fused = Node(tail.id, "op", "fused_rows" if rows else "fused", externals, params,

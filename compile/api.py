@@ -51,8 +51,10 @@ def _rank0() -> bool:
 # ----------------------------------------------------------------------------- what fn touches
 
 def _reachable(fn) -> list:
-    """Objects fn names through its closure, its globals and (for a bound method) its self."""
+    """Objects fn names through its closure, its globals and (for a bound method) its self,
+    and the attributes of those objects (``self.model``, ``trainer.opt``)."""
     from dtensor.nn.module import Module
+    from dtensor.optim import Optimizer
     if isinstance(fn, Module):
         return [fn]
     objs = []
@@ -66,6 +68,9 @@ def _reachable(fn) -> list:
     if code is not None:
         g = fn.__globals__
         objs += [g[n] for n in code.co_names if n in g]
+    for o in list(objs):
+        if not isinstance(o, (Module, Optimizer, type)) and hasattr(o, "__dict__"):
+            objs += [v for v in vars(o).values() if isinstance(v, (Module, Optimizer))]
     return objs
 
 
@@ -124,7 +129,7 @@ def _sig(x):
         return ("object", id(x))
 
 
-def _key(fn, env: _Env, args, kwargs):
+def _key(env: _Env, args, kwargs):
     state = []
     for opt in env.optimizers:
         for group in opt.param_groups:
@@ -229,7 +234,8 @@ class _Entry:
 
 
 def _trace(fn, env: _Env, args, kwargs):
-    """Run ``fn`` once on traced data; returns (graph, feeds, writebacks, result tree)."""
+    """Run ``fn`` once on traced data; returns (graph, feeds, writebacks with an output,
+    gradient write-backs to None, result tree)."""
     from dtensor import random
     from dtensor.dtensor import DTensor
     from dtensor.tensor import Tensor, TensorMethods
@@ -396,7 +402,7 @@ class Compiled:
 
     def __call__(self, *args, **kwargs):
         env = _Env(self.fn)
-        key = _key(self.fn, env, args, kwargs)
+        key = _key(env, args, kwargs)
         entry = self._cache.get(key)
         if entry is None:
             if self._last_key is not None and self.compiles + 1 >= RECOMPILE_WARN:

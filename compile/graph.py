@@ -83,10 +83,6 @@ class Graph:
                     out.setdefault(a.id, []).append(n)
         return out
 
-    def count(self, name: str | None = None, kind: str | None = None) -> int:
-        return sum(1 for n in self.nodes if (name is None or n.name == name)
-                   and (kind is None or n.kind == kind))
-
     def __str__(self) -> str:
         lines = []
         for n in self.inputs:

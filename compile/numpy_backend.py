@@ -80,22 +80,29 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
     return "\n".join(lines) + "\n", tables
 
 
-def load(source: str):
-    """Import generated source from a file named by its hash; returns its ``run``."""
+def import_source(source: str, prefix: str):
+    """Write generated source to a file named by its hash (atomically) and import it; returns
+    (module, path). Tracebacks through it show the generated lines."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"dtc_{digest}.py")
+    path = os.path.join(_cache_dir(), f"{prefix}_{digest}.py")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
             f.write(source)
         os.replace(tmp, path)
-    mod_name = f"dtensor_compiled_{digest}"
+    mod_name = f"dtensor_{prefix}_{digest}"
     mod = sys.modules.get(mod_name)
     if mod is None:
         spec = importlib.util.spec_from_file_location(mod_name, path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         sys.modules[mod_name] = mod
+    return mod, path
+
+
+def load(source: str):
+    """The generated graph function ``run`` and its file."""
+    mod, path = import_source(source, "dtc")
     return mod.run, path
 
 

@@ -1,24 +1,22 @@
-"""The Triton backend: fused pointwise groups, row-wise kernels (softmax, log_softmax, the
+"""The Triton backend (kernels on numpy arrays, so always under Triton's interpreter; a device
+path needs device arrays): fused pointwise groups, row-wise kernels (softmax, log_softmax, the
 layer-norm core, their backwards), the AdamW update and random draws become ``@triton.jit``
 kernels generated from the ops' ``lower`` templates; matmuls, shape ops, gathers and collectives
 stay numpy calls (extern).
 
-Without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here before
-triton is first imported) on numpy arrays through compile/triton_adapter.py: slow (30-100x
-numpy), for verification. Kernel sources go to content-hashed files (DTENSOR_DEBUG=3 prints each
-with the graph nodes it covers).
+The interpreter (``TRITON_INTERPRET=1``, set here if triton is not imported yet) runs them on
+numpy arrays through compile/triton_adapter.py: slow (30-100x numpy), for verification. Kernel
+sources go to content-hashed files (DTENSOR_DEBUG=3 prints each with the node it covers).
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
 import sys
 
 import numpy as np
 
 from dtensor.compile.graph import Graph, Node
-from dtensor.compile.numpy_backend import _cache_dir
+from dtensor.compile.numpy_backend import import_source
 
 __all__ = ["lower_graph", "ensure_triton"]
 
@@ -115,21 +113,7 @@ def ensure_triton():
 
 
 def _load(source: str):
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"dtk_{digest}.py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
-    name = f"dtensor_kernels_{digest}"
-    mod = sys.modules.get(name)
-    if mod is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        sys.modules[name] = mod
-    return mod, path
+    return import_source(source, "dtk")
 
 
 def _literal(v) -> str:
@@ -137,7 +121,8 @@ def _literal(v) -> str:
         return "1" if v else "0"
     if isinstance(v, (int, np.integer)):
         return repr(int(v))
-    return repr(float(v))
+    v = float(v)
+    return repr(v) if np.isfinite(v) else f"float('{v}')"  # inf, -inf, nan
 
 
 def _expr(op, params, args) -> str:
@@ -430,7 +415,10 @@ class _Random:
             grid = ((self.n + self.block - 1) // self.block,)
             self.mod.kernel[grid](as_triton_arg(self.offsets), as_triton_arg(r), self.n,
                                   int(key), NORMAL=self.normal, BLOCK=self.block)
-        return r.reshape(self.shape).astype(self.dtype, copy=False)
+        if out is None:
+            return r.reshape(self.shape).astype(self.dtype, copy=False)
+        out[...] = r.reshape(self.shape)
+        return out
 
 
 def _kernel_for(n: Node):

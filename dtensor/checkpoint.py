@@ -130,8 +130,10 @@ def save(state_dict, path) -> str:
     flat = _flatten(state_dict)
     rank, size, comm = _world(flat)
     root = Path(path)
-    prev = _latest(root) if rank == 0 else None
-    version = f"v{int(prev[1:]) + 1}" if prev and prev[1:].isdigit() else "v1"
+    # One past every version on disk: a save that died after its rename but before LATEST
+    # left a complete vN that LATEST does not name; it is never reused.
+    taken = [int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit()]
+    version = f"v{max(taken, default=0) + 1}"
     if comm is not None:
         version = comm._c.bcast(version, root=0)  # metadata only
     tmp = root / f"{version}.partial"

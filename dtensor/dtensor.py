@@ -212,6 +212,9 @@ class DTensor(TensorMethods):
 
     # -- in-place updates (optimizers): replace the local block, never the graph
     def _assign(self, new: "DTensor") -> None:
+        if type(self._loc()) is np.ndarray and type(new._loc()) is not np.ndarray:
+            from dtensor.tensor import _untraced_update
+            _untraced_update(self)
         if new.placements != self.placements:
             new = _redistribute(new, self.placements)
         self._set_local(new._loc().astype(self.dtype, copy=False))

@@ -295,6 +295,16 @@ class TensorMethods:
         return self
 
 
+def _untraced_update(t) -> None:
+    """A tensor dtensor.compile did not take as an input is being updated with a traced value:
+    the update would be lost and the tensor left without data."""
+    from dtensor.compile.trace import TracingError, user_line
+    raise TracingError(
+        f"dtensor.compile: a tensor of shape {tuple(t.shape)} that the compiled function does "
+        f"not reach as an input is updated at {user_line()}. Compile a function whose "
+        f"closure, globals or self attributes hold the model and optimizer it updates.")
+
+
 class Tensor(TensorMethods):
     """An n-dimensional array with autograd. ``Tensor(data, requires_grad=False)``.
 
@@ -391,6 +401,8 @@ class Tensor(TensorMethods):
 
         The optimizers' update path; the tracer records it as a write-back.
         """
+        if type(self.data) is np.ndarray and type(new.data) is not np.ndarray:
+            _untraced_update(self)
         self.data = new.data.astype(self.data.dtype, copy=False)
 
     def _as_grad_of(self, leaf) -> "Tensor":

@@ -146,7 +146,12 @@ def evaluate(model, data: CharData, cfg: TrainConfig, batches: int = 4) -> float
 
 def mesh_shape(cfg: TrainConfig, world: int) -> tuple[int, int]:
     """(dp, tp) for ``world`` ranks, filling in the flags left at 0."""
-    tp = cfg.tp or (2 if world % 2 == 0 and cfg.n_head % 2 == 0 else 1)
+    if cfg.tp:
+        tp = cfg.tp
+    elif cfg.dp:
+        tp = world // cfg.dp
+    else:
+        tp = 2 if world % 2 == 0 and cfg.n_head % 2 == 0 else 1
     dp = cfg.dp or world // tp
     if dp * tp != world:
         raise ValueError(f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but this job has {world}; "
@@ -216,18 +221,18 @@ def main(argv=None) -> float:
         print_(f"resumed from {cfg.resume} at step {start}")
 
     tokens = cfg.batch_size * cfg.block_size
-    t_last, loss_val = time.perf_counter(), float("nan")
+    t_last, last_logged, loss_val = time.perf_counter(), start - 1, float("nan")
     for step in range(start, cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss_val = step_fn(*data.batch("train", cfg.batch_size, cfg.block_size)).item()
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             now = time.perf_counter()
-            n = 1 if step == start else min(cfg.log_every, step - start)
+            n = step - last_logged  # steps since the last line (eval and saves included)
             print_(f"step {step:5d} {progress(step + 1, cfg.steps)}  loss {loss_val:.4f}  "
                   f"lr {lr_at(step, cfg):.2e}  {n * tokens / (now - t_last):8.0f} tok/s",
                   flush=True)
-            t_last = now
+            t_last, last_logged = now, step
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             val = evaluate(model, data, cfg)
             print_(f"step {step:5d} val loss {val:.4f}", flush=True)

@@ -270,3 +270,45 @@ def test_a_rank_killed_mid_step_ends_the_job(tmp_path):
     assert status != 0 and seconds < 15, (status, seconds, out)
     assert out.splitlines()[-1].startswith("dtlaunch: job failed"), out
     assert_no_orphans(script)
+
+
+def test_sgd_momentum_state_loads_into_a_fresh_optimizer(tmp_path):
+    """3 SGD steps (momentum, dampening) straight = 2 steps, save, a fresh model and optimizer
+    loaded, 1 more step: the momentum buffer and its first-step rule survive the round trip."""
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 97, (2, 16)), rng.integers(0, 97, (2, 16))) for _ in range(3)]
+
+    def fresh():
+        dtensor.manual_seed(0)
+        model = GPT(GPTConfig(**CFG))
+        return model, dtensor.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                                        dampening=0.1)
+
+    def step(model, opt, batch):
+        _, loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, opt = fresh()
+    straight = [step(model, opt, b) for b in batches]
+    model, opt = fresh()
+    first = [step(model, opt, b) for b in batches[:2]]
+    dtensor.checkpoint.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path)
+    model, opt = fresh()
+    st = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dtensor.checkpoint.load(st, tmp_path)
+    opt.load_state_dict(st["optim"])
+    assert first + [step(model, opt, batches[2])] == straight
+
+
+def test_a_version_left_by_a_dead_save_is_not_reused(tmp_path):
+    model, opt = build()
+    dtensor.checkpoint.save(state(model, opt, step=1), tmp_path)
+    (tmp_path / "v2").mkdir()  # renamed, but LATEST was never updated
+    (tmp_path / "v2" / "metadata.json").write_text("{}")
+    assert dtensor.checkpoint.save(state(model, opt, step=2), tmp_path) == "v3"
+    st = state(*build())
+    dtensor.checkpoint.load(st, tmp_path)
+    assert st["step"] == 2

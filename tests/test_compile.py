@@ -256,3 +256,45 @@ def test_redundant_collectives_are_issued_once(rank):
         got = compiled(x)
     assert eager.count("all_gather") == 2 and comp.count("all_gather") == 1
     np.testing.assert_array_equal(full(got), full(want))
+
+
+def test_model_and_optimizer_found_through_self_attributes():
+    """A bound method of a trainer object: its model and optimizer are found as attributes."""
+    class Trainer:
+        def __init__(self):
+            dtensor.manual_seed(0)
+            self.model = GPT(GPTConfig(**SMALL))
+            self.opt = dtensor.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+        def step(self, x, y):
+            _, loss = self.model(x, y)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            return loss
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 96, (2, 16)), rng.integers(0, 96, (2, 16))) for _ in range(3)]
+    eager, comp = Trainer(), Trainer()
+    run = dtensor.compile(comp.step)
+    assert [eager.step(*b).item() for b in batches] == [run(*b).item() for b in batches]
+
+
+def test_updating_a_tensor_the_compiled_function_cannot_see_is_an_error():
+    dtensor.manual_seed(0)
+    hidden = {"model": GPT(GPTConfig(**SMALL))}
+    hidden["opt"] = dtensor.optim.SGD(hidden["model"].parameters(), lr=0.1)
+
+    def helper(x, y):  # reaches the model through a dict the compiler does not search
+        _, loss = hidden["model"](x, y)
+        loss.backward()
+        hidden["opt"].step()
+        return loss
+
+    def step(x, y):
+        return helper(x, y)
+
+    idx = np.zeros((1, 16), np.int64)
+    with pytest.raises(dtensor.compile.TracingError, match=r"not reach as an input is updated"):
+        dtensor.compile(step)(idx, idx)
+    assert all(isinstance(p.data, np.ndarray) for p in hidden["model"].parameters())

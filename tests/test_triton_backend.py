@@ -191,3 +191,17 @@ def test_tensor_parallel_step_with_triton_kernels(rank):
     np.testing.assert_allclose(triton[0], eager[0], rtol=1e-6)
     for a, b in zip(triton[1], eager[1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_non_finite_constants_in_kernels():
+    def f(x):
+        return (dtensor.where(x > 0, x * 2.0, float("-inf")).exp(),)
+
+    three_ways(f, arr(7, 9), exact=True)
+
+
+def test_float16_gelu():
+    x = arr(64).astype(np.float16)
+    np.testing.assert_allclose(F.gelu(dtensor.Tensor(x)).numpy().astype(np.float32),
+                               F.gelu(dtensor.Tensor(x.astype(np.float32))).numpy(),
+                               rtol=2e-3, atol=2e-3)

@@ -53,7 +53,6 @@ def bucket_all_reduces(graph: Graph) -> Graph:
         for a in n.inputs:
             if isinstance(a, Node) and a.id not in first_use:
                 first_use[a.id] = i
-    out_ids = {o.id for o in graph.outputs if isinstance(o, Node)}
     buckets, cur, key, deadline, size = [], [], None, 0, 0
     for i, n in enumerate(graph.nodes):
         m = _all_reduce_dim(n)
@@ -68,8 +67,7 @@ def bucket_all_reduces(graph: Graph) -> Graph:
             key, deadline, size = k, len(graph.nodes), 0
         cur.append((i, n))
         size += nbytes
-        deadline = min(deadline, first_use.get(n.id, len(graph.nodes) if n.id not in out_ids
-                                                else len(graph.nodes)))
+        deadline = min(deadline, first_use.get(n.id, len(graph.nodes)))
     if cur:
         buckets.append(cur)
     at: dict[int, list[Node]] = {}  # node index -> nodes to put just before it

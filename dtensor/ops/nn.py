@@ -56,8 +56,8 @@ def erf_block(out, x):
 # pass costs one exp (the slowest ufunc here); the error is below float32 rounding of x Phi(x).
 _AS_P = 0.3275911
 _AS_COEFFS = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)
-_UINT = {4: np.uint32, 8: np.uint64}
-_SIGN_BIT = {4: np.uint32(1 << 31), 8: np.uint64(1 << 63)}
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_SIGN_BIT = {2: np.uint16(1 << 15), 4: np.uint32(1 << 31), 8: np.uint64(1 << 63)}
 
 
 def _phi_and_pdf(x):

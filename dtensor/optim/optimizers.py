@@ -134,10 +134,18 @@ class SGD(Optimizer):
         mu = group["momentum"]
         if mu:
             buf = state.get("momentum_buffer")
-            buf = g * 1.0 if buf is None else buf * mu + (1.0 - group["dampening"]) * g
+            first = buf is None or not state.get("step", 1)  # torch: the first buffer is g
+            buf = g * 1.0 if first else buf * mu + (1.0 - group["dampening"]) * g
             state["momentum_buffer"] = buf
+            state["step"] = state.get("step", 0) + 1
             g = g + mu * buf if group["nesterov"] else buf
         p._assign(p - group["lr"] * g)
+
+    def _init_state(self, p, state):
+        if self.defaults["momentum"] and "momentum_buffer" not in state:
+            with no_grad():
+                state["momentum_buffer"] = p.detach() * 0.0
+            state["step"] = 0
 
 
 class AdamW(Optimizer):
@@ -172,8 +180,7 @@ class AdamW(Optimizer):
     def _update(self, p, g, state, group):
         (b1, b2) = group["betas"]
         scalars = _step_scalars(functools.partial(self._scalars, p, group))
-        if "exp_avg" not in state:
-            state["exp_avg"] = state["exp_avg_sq"] = g * 0.0
+        self._init_state(p, state)
         # One fused op: reads p, g, m, v once and returns the three new values stacked.
         new = adamw_step(p, g, state["exp_avg"], state["exp_avg_sq"], beta1=b1, beta2=b2,
                          eps=group["eps"], weight_decay=group["weight_decay"], **scalars)

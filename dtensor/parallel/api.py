@@ -165,8 +165,9 @@ def gpt_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
 
 
 def _fsdp_dim(p: DTensor, tp: int | None) -> int:
-    """The tensor dim FSDP shards over "dp": one that "tp" does not shard, so gathering it is a
-    plain all-gather over "dp" (dim 0 unless "tp" took it)."""
+    """The tensor dim FSDP shards over "dp": dim 0, or dim 1 when "tp" shards dim 0 of a
+    matrix, so gathering it is a plain all-gather over "dp". A vector "tp" already shards
+    (a column-parallel bias) is nested-sharded on dim 0; the redistribute table orders that."""
     taken = p.placements[tp].dim if tp is not None and isinstance(p.placements[tp], Shard) else None
     return 1 if taken == 0 and p.ndim > 1 else 0
 
@@ -178,12 +179,8 @@ def _shard_params_fsdp(model: Module, mesh: DeviceMesh, dp: int, tp: int | None)
         names = [n for n, p in m._parameters.items() if p is not None]
         if not names:
             continue
-        for n in names:
-            p = m._parameters[n]
-            if not isinstance(p, DTensor):
-                distribute_param(m, n, mesh, dp, Replicate())
-                p = m._parameters[n]
-            distribute_param(m, n, mesh, dp, Shard(_fsdp_dim(p, tp)))
+        for n in names:  # parallelize() made every parameter a DTensor already
+            distribute_param(m, n, mesh, dp, Shard(_fsdp_dim(m._parameters[n], tp)))
 
         def around(inner, *args, _m=m, _names=tuple(names), **kwargs):
             stored = {n: _m._parameters[n] for n in _names}
@@ -259,7 +256,7 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
         _check_divisible(parts, mesh.size(tp))
         plan = gpt_plan(sequence_parallel, loss_parallel)
         parallelize_module(model, mesh, plan, tp_dim=tp)
-    for name, m in model.named_modules():  # what the plan left: Replicate everywhere
+    for _, m in model.named_modules():  # what the plan left: Replicate everywhere
         for n, p in list(m._parameters.items()):
             if p is not None and not isinstance(p, DTensor):
                 distribute_param(m, n, mesh, 0, Replicate())

@@ -141,7 +141,7 @@ class _LinearStyle(ParallelStyle):
             features = None
         else:
             raise self._unsupported(module, path, "Linear and Embedding modules")
-        dst_out = self.output_layouts or self._default_out(module)
+        dst_out = self.output_layouts or self._out
 
         def pre(m, args):
             return ((to_layout(args[0], mesh, tp, src, desired, last_dim=features),)
@@ -153,9 +153,6 @@ class _LinearStyle(ParallelStyle):
         module.register_forward_pre_hook(pre)
         module.register_forward_hook(post)
         return module
-
-    def _default_out(self, module) -> Placement:
-        return self._out
 
 
 class ColwiseParallel(_LinearStyle):

@@ -1,4 +1,4 @@
-"""One training step of the standard GPT workload: eager, one process or parallelized.
+"""One training step of the standard GPT workload: eager or compiled, one process or parallelized.
 
 Prints one JSON line (rank 0): median/min/max step seconds over --steps steps after --warmup,
 tokens/s, achieved GFLOP/s (27.41 GFLOP per step for the standard workload, counted as in the
@@ -6,9 +6,11 @@ issue), peak RSS, and numpy's own float32 matmul GFLOP/s measured in the same ru
 threads, so the result reads as a ratio. Under dtlaunch the model goes through
 dtensor.parallel.parallelize on a (dp, tp) mesh, and the line also gives the collectives per step
 (count and bytes by kind, from the debug counter) next to Megatron-LM's figures for the same
-layout (``megatron_bytes``, ``bytes_ratio``).
+layout (``megatron_bytes``, ``bytes_ratio``). With --compile the step runs through
+dtensor.compile (``compile_s``: tracing, passes and codegen, summed over its graphs).
 
     python benchmarks/gpt_step.py                                  # standard workload
+    python benchmarks/gpt_step.py --compile
     dtlaunch --nproc 2 benchmarks/gpt_step.py --tp 2
     dtlaunch --nproc 4 benchmarks/gpt_step.py --tp 2 --dp 2 --sp [--fsdp]
 """

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -164,15 +165,10 @@ def main() -> None:
         if any(log != per_step for log in logs):
             raise RuntimeError(f"collectives differ between steps: {logs}")
         # Parameter bytes of this rank when whole over "dp": each parameter's "tp" shard.
-        whole_dp = 0
-        for p in model.parameters():
-            n = p.numel()
-            tp_p = p.placements[1]
-            if isinstance(tp_p, dtensor.Shard):
-                from dtensor.placements import shard_size_and_offset
-                k = shard_size_and_offset(p.shape[tp_p.dim], args.tp, mesh.get_local_rank("tp"))[0]
-                n = n // p.shape[tp_p.dim] * k
-            whole_dp += n * 4
+        from dtensor.redistribute import local_shape_and_offset
+        whole_dp = sum(4 * math.prod(local_shape_and_offset(
+            p.shape, (dtensor.Replicate(), p.placements[1]), mesh.shape,
+            mesh.get_coordinate())[0]) for p in model.parameters())
         expect = megatron_bytes(cfg, args.batch, args.seq, args.tp, args.dp, args.sp, args.fsdp,
                                 whole_dp)
         got = {k: per_step.get(k, (0, 0))[1] for k in expect}

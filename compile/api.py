@@ -222,20 +222,17 @@ class _Entry:
                 values.append(_rebuild(wb.like, arr) if wb.like is not None else arr)
             elif wb.kind == "param":
                 _set_data(wb.target, arr)
-            elif wb.kind == "grad":
-                wb.target.grad = _rebuild(wb.like, arr)
+            elif wb.kind == "grad":  # None: zero_grad() ran inside
+                wb.target.grad = None if arr is None else _rebuild(wb.like, arr)
             elif wb.kind == "state":
                 opt, p = wb.target
                 opt.state.setdefault(p, {})[wb.key] = _rebuild(wb.like, arr)
-        for wb in self.writebacks:
-            if wb.kind == "grad_none":
-                wb.target.grad = None
         return _unflatten(self.tree, values)
 
 
 def _trace(fn, env: _Env, args, kwargs):
-    """Run ``fn`` once on traced data; returns (graph, feeds, writebacks with an output,
-    gradient write-backs to None, result tree)."""
+    """Run ``fn`` once on traced data; returns (graph, feeds, one write-back per graph output,
+    result tree)."""
     from dtensor import random
     from dtensor.dtensor import DTensor
     from dtensor.tensor import Tensor, TensorMethods
@@ -317,10 +314,8 @@ def _trace(fn, env: _Env, args, kwargs):
                 if type(d) is Traced and d.node.kind != "input":
                     out(d, _Writeback("param", p))
             for p in env.params:
-                if p.grad is None:
-                    writebacks.append(_Writeback("grad_none", p))
-                else:
-                    out(_data(p.grad), _Writeback("grad", p, like=p.grad))
+                out(None if p.grad is None else _data(p.grad),
+                    _Writeback("grad", p, like=p.grad))
             for opt in env.optimizers:
                 for p, st in opt.state.items():
                     for k, v in st.items():
@@ -340,9 +335,7 @@ def _trace(fn, env: _Env, args, kwargs):
             random._seed, random._stream = saved_stream
     graph = tracer.graph
     graph.outputs = outputs
-    # grad_none write-backs have no output; keep the output/writeback pairing aligned
-    return graph, feeds, [w for w in writebacks if w.kind != "grad_none"], \
-        [w for w in writebacks if w.kind == "grad_none"], tree
+    return graph, feeds, writebacks, tree
 
 
 def _get(args, kwargs, where):
@@ -421,7 +414,7 @@ class Compiled:
     def _compile(self, env, args, kwargs) -> _Entry:
         t0 = time.perf_counter()
         fn = self.fn
-        graph, feeds, writebacks, nones, tree = _trace(fn, env, args, kwargs)
+        graph, feeds, writebacks, tree = _trace(fn, env, args, kwargs)
         debug = _debug_level() >= 2 and _rank0()
         if debug:
             print(f"[dtensor.compile] {self.__name__}: traced\n{graph}", flush=True)
@@ -441,7 +434,7 @@ class Compiled:
         if _debug_level() >= 3 and _rank0():
             print(f"[dtensor.compile] generated {path}\n{source}", flush=True)
         self.compiles += 1
-        return _Entry(graph, run, path, tables, feeds, writebacks + nones, tree,
+        return _Entry(graph, run, path, tables, feeds, writebacks, tree,
                       time.perf_counter() - t0)
 
 

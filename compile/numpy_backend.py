@@ -57,7 +57,7 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
         lines.append("    " + "".join(f"v{n.id}, " for n in graph.inputs) + "= I")
     for i, n in enumerate(graph.nodes):
         if n.name in ("fused", "fused_rows") and n.fn is None:
-            tables["F"].append(fused_kernel(n) if n.name == "fused" else row_kernel(n))
+            tables["F"].append(group_kernel(n))
             fixed = {}
         else:
             tables["F"].append(n.fn)
@@ -106,26 +106,30 @@ def load(source: str):
     return mod.run, path
 
 
-_BLOCK_BYTES = 1 << 18  # as dtensor/ops/blockwise.py: a block's temporaries stay in L2
+def rows_view(x: np.ndarray, lead: tuple, last: int) -> np.ndarray:
+    """``x`` broadcast to a group's (rows, last) or (rows, 1) layout (a view if it can)."""
+    c = last if (x.ndim and x.shape[-1] == last and last != 1) else 1
+    return np.broadcast_to(x, lead + (c,)).reshape(-1, c)
 
 
-def fused_kernel(node: Node):
-    """A fused pointwise group as one cache-blocked numpy function ``run(*inputs, out=None)``:
-    the group's ufuncs run on blocks of rows, so intermediates never leave the cache."""
-    ops, shape, dtype = node.params["ops"], tuple(node.shape), node.dtype
-    last = shape[-1] if shape else 1
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    per = max(1, _BLOCK_BYTES // max(1, last * dtype.itemsize))
-
+def group_kernel(node: Node):
+    """A fused group (pointwise ops, last-dim reductions, random draws over the same rows) as
+    one cache-blocked numpy function ``run(*inputs, out=None, **keys)``: each block of rows
+    goes through every op before the next block is read, so intermediates stay in cache."""
     from dtensor import random
+    from dtensor.ops import blockwise
+    ops, shape, dtype = node.params["ops"], tuple(node.shape), node.dtype
+    lead, last = node.params["row_shape"]
+    rows = int(np.prod(lead))
+    reduce = {"sum": np.sum, "max": np.max}
     draw = {"rand": random.uniform, "randn": random.normal}
 
     def run(*inputs, out=None, **keys):
         out = np.empty(shape, dtype) if out is None else out
-        flat = out.reshape(rows, last)
-        views = [np.broadcast_to(x, shape).reshape(rows, last) for x in inputs]
-        for lo in range(0, rows, per):
-            hi = min(lo + per, rows)
+        flat = out.reshape(rows, shape[-1])
+        views = [rows_view(x, lead, last) for x in inputs]
+
+        def block(lo, hi):
             vals = []
             for j, (name, op, refs, params) in enumerate(ops):
                 if name in draw:  # element i of the draw is f(key, flat index i)
@@ -134,42 +138,11 @@ def fused_kernel(node: Node):
                     continue
                 args = [views[r][lo:hi] if kind == "in" else vals[r] if kind == "op" else r
                         for kind, r in refs]
-                vals.append(op.impl(*args, **params))
-            flat[lo:hi] = vals[-1]
-        return out
-
-    return run
-
-
-def rows_view(x: np.ndarray, lead: tuple, last: int) -> np.ndarray:
-    """``x`` broadcast to a row group's (rows, last) or (rows, 1) layout (a view if it can)."""
-    c = last if (x.ndim and x.shape[-1] == last and last != 1) else 1
-    return np.broadcast_to(x, lead + (c,)).reshape(-1, c)
-
-
-def row_kernel(node: Node):
-    """A row group (pointwise ops and last-dim reductions over the same rows) as one
-    cache-blocked numpy function: each block of rows goes through every op, reductions
-    included, before the next block is read."""
-    ops, shape, dtype = node.params["ops"], tuple(node.shape), node.dtype
-    lead, last = node.params["row_shape"]
-    rows = int(np.prod(lead)) if lead else 1
-    per = max(1, _BLOCK_BYTES // max(1, last * dtype.itemsize))
-    reduce = {"sum": np.sum, "max": np.max}
-
-    def run(*inputs, out=None):
-        out = np.empty(shape, dtype) if out is None else out
-        flat = out.reshape(rows, shape[-1])
-        views = [rows_view(x, lead, last) for x in inputs]
-        for lo in range(0, rows, per):
-            hi = min(lo + per, rows)
-            vals = []
-            for name, op, refs, params in ops:
-                args = [views[r][lo:hi] if kind == "in" else vals[r] if kind == "op" else r
-                        for kind, r in refs]
                 vals.append(reduce[name](args[0], axis=1, keepdims=True) if name in reduce
                             else op.impl(*args, **params))
             flat[lo:hi] = vals[-1]
+
+        blockwise.run_rows(block, rows, last * dtype.itemsize)
         return out
 
     return run

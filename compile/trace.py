@@ -23,8 +23,9 @@ from dtensor.compile.graph import Graph, Node, Slot
 
 __all__ = ["Traced", "Tracer", "TracingError"]
 
-_PACKAGE_DIRS = tuple(os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
-                      for m in (sys.modules["dtensor"],)) + (os.path.dirname(__file__),)
+# Frames in these folders are dtensor's own; an error names the first frame outside them.
+_OWN_DIRS = (os.path.dirname(os.path.abspath(sys.modules["dtensor"].__file__)) + os.sep,
+             os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 
 class TracingError(RuntimeError):
@@ -35,8 +36,7 @@ def user_line() -> str:
     """``file:line: code`` of the innermost frame outside dtensor itself."""
     for frame in reversed(traceback.extract_stack()[:-1]):
         path = os.path.abspath(frame.filename)
-        if not path.startswith(_PACKAGE_DIRS[0] + os.sep + "dtensor") and \
-                not path.startswith(_PACKAGE_DIRS[-1]):
+        if not path.startswith(_OWN_DIRS):
             return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return "<unknown>"
 

@@ -116,6 +116,17 @@ def _load(source: str):
     return import_source(source, "dtk")
 
 
+def _block(n: int) -> int:
+    """Elements per program of a 1-D kernel: the next power of two, 16 to 16384."""
+    return min(1 << 14, 1 << max(4, (n - 1).bit_length()))
+
+
+def _tile(cols: int) -> tuple[int, int]:
+    """(rows, cols) of a row kernel's tile: whole rows (a power of two >= cols), ~16K elements."""
+    block_c = 1 << max(0, (cols - 1).bit_length())
+    return max(1, min(1 << 12, (1 << 14) // block_c)), block_c
+
+
 def _literal(v) -> str:
     if isinstance(v, (bool, np.bool_)):
         return "1" if v else "0"
@@ -181,7 +192,7 @@ class _Pointwise:
         lines.append(f"    tl.store(out + offs, {out}, mask=mask)")
         self.source = PRELUDE + "\n\n" + "\n".join(lines) + "\n"
         self.mod, self.path = _load(self.source)
-        self.block = min(1 << 14, 1 << max(4, (self.n - 1).bit_length()))
+        self.block = _block(self.n)
 
     def __call__(self, *inputs, out=None, **keys):
         from dtensor.compile.triton_adapter import as_triton_arg
@@ -209,8 +220,7 @@ class _RowGroup:
         lead, C = node.params["row_shape"]
         self.R = int(np.prod(lead)) if lead else 1
         self.last = self.shape[-1]
-        self.block_c = 1 << max(0, (C - 1).bit_length())
-        self.block_r = max(1, min(1 << 12, (1 << 14) // self.block_c))
+        self.block_r, self.block_c = _tile(C)
         self.views = []  # per input: (column?, row-offset expr, col stride)
         lines = [f"# {node.name} {node.note}", "@triton.jit",
                  "def kernel(" + "".join(f"in{k}, " for k in range(len(in_shapes)))
@@ -322,8 +332,7 @@ class _Rowwise:
         self.C = shape[-1]
         self.L = shape[-2] if len(shape) > 1 else 1
         self.R = int(np.prod(shape[:-1]))
-        self.block_c = 1 << max(0, (self.C - 1).bit_length())
-        self.block_r = max(1, min(1 << 12, (1 << 14) // self.block_c))
+        self.block_r, self.block_c = _tile(self.C)
         self.source = PRELUDE + ROWWISE
         self.mod, self.path = _load(self.source)
 
@@ -368,7 +377,7 @@ class _AdamW:
         self.n = int(np.prod(shape[1:]))
         self.mod, self.path = _load(PRELUDE + ADAMW)
         self.source = PRELUDE + ADAMW
-        self.block = min(1 << 14, 1 << max(4, (self.n - 1).bit_length()))
+        self.block = _block(self.n)
 
     def __call__(self, p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, bc1, bc2, out=None):
         from dtensor.compile.triton_adapter import as_triton_arg
@@ -406,7 +415,7 @@ class _Random:
         self.mod, self.path = _load(PRELUDE + RANDOM)
         self.source = PRELUDE + RANDOM
         self.n = self.offsets.size
-        self.block = min(1 << 14, 1 << max(4, (self.n - 1).bit_length()))
+        self.block = _block(self.n)
 
     def __call__(self, like, *, key, dtype, out=None):
         from dtensor.compile.triton_adapter import as_triton_arg

@@ -111,28 +111,41 @@ def test_dropout_draws_the_same_bits():
     assert [k.name for k in kernels] == ["fused"] and "rand ge" in kernels[0].note
 
 
+def two_gpt_steps(backend, tp=1):
+    """Two AdamW steps of a small GPT (dropout on), eager (backend None) or compiled; returns
+    losses, whole parameters, Triton kernel kinds and the last step's collectives."""
+    from dtensor.comm import count_collectives
+    from dtensor.parallel import parallelize
+
+    dtensor.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL, dropout=0.1))
+    if tp > 1:
+        parallelize(model, dtensor.init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)))
+    opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    f = step if backend is None else dtensor.compile(step, backend=backend)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(2):
+        with count_collectives() as log:
+            losses.append(f(*(rng.integers(0, 96, (4, 16)) for _ in "xy")).item())
+    kinds = set() if backend is None else {n.name for n in f.last.graph.nodes
+                                           if n.kind == "triton"}
+    whole = [p.full_tensor().numpy() if tp > 1 else p.numpy().copy()
+             for p in model.parameters()]
+    return losses, whole, kinds, log.summary()
+
+
 def test_adamw_update_and_a_gpt_step():
     """Two AdamW steps of a small GPT (dropout on): Triton = numpy backend = eager, float32."""
-    def run(backend):
-        dtensor.manual_seed(0)
-        model = GPT(GPTConfig(**SMALL, dropout=0.1))
-        opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2)
-
-        def step(x, y):
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        f = step if backend is None else dtensor.compile(step, backend=backend)
-        rng = np.random.default_rng(0)
-        losses = [f(*(rng.integers(0, 96, (4, 16)) for _ in "xy")).item() for _ in range(2)]
-        kinds = set() if backend is None else {n.name for n in f.last.graph.nodes
-                                               if n.kind == "triton"}
-        return losses, [p.numpy().copy() for p in model.parameters()], kinds
-
-    eager, numpy_, triton = run(None), run("numpy"), run("triton")
+    eager, numpy_, triton = two_gpt_steps(None), two_gpt_steps("numpy"), two_gpt_steps("triton")
     assert {"adamw_step", "fused", "normalize", "softmax", "log_softmax", "gelu"} <= triton[2]
     for other in (numpy_, triton):
         np.testing.assert_allclose(other[0], eager[0], rtol=1e-6)
@@ -166,31 +179,13 @@ def test_block_forward_kernel_count():
 
 @pytest.mark.ranks(2, timeout=300)
 def test_tensor_parallel_step_with_triton_kernels(rank):
-    """A small GPT at tp=2, two steps with backend="triton": as eager."""
-    from dtensor.parallel import parallelize
-
-    def run(backend):
-        dtensor.manual_seed(0)
-        model = GPT(GPTConfig(**SMALL, dropout=0.1))
-        parallelize(model, dtensor.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
-        opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2)
-
-        def step(x, y):
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        f = step if backend is None else dtensor.compile(step, backend=backend)
-        rng = np.random.default_rng(0)
-        losses = [f(*(rng.integers(0, 96, (4, 16)) for _ in "xy")).item() for _ in range(2)]
-        return losses, [p.full_tensor().numpy() for p in model.parameters()]
-
-    eager, triton = run(None), run("triton")
+    """A small GPT at tp=2, two steps with backend="triton": as eager, with the same
+    collectives (count and bytes) per step."""
+    eager, triton = two_gpt_steps(None, tp=2), two_gpt_steps("triton", tp=2)
     np.testing.assert_allclose(triton[0], eager[0], rtol=1e-6)
     for a, b in zip(triton[1], eager[1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+    assert triton[3] == eager[3] and eager[3]["all_reduce"][0] > 0
 
 
 def test_non_finite_constants_in_kernels():

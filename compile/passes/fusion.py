@@ -117,9 +117,8 @@ def fuse_pointwise(graph: Graph) -> Graph:
                     refs.append(("const", a))
             ops.append((m.name, pointwise_op(m), refs, dict(m.params)))
         rows = any(row_reduction(m) for m in group)
-        params = {"ops": ops, **keys}  # a key is a Slot: the runtime passes key<j>=...
-        if rows:
-            params["row_shape"] = _row_shape([m.shape for m in group])
+        # a key is a Slot: the runtime passes key<j>=...
+        params = {"ops": ops, "row_shape": _row_shape([m.shape for m in group]), **keys}
         fused = Node(tail.id, "op", "fused_rows" if rows else "fused", externals, params,
                      tail.shape, tail.dtype, fn=None,
                      note="[" + " ".join(m.name for m in group) + "]")

@@ -139,13 +139,11 @@ def apply(op: Op, *args, **params):
         arrays = [a.data if type(a) in eager else a for a in args]
         if _trace is not None:
             out = _wrap(_trace.eager(op, arrays, params))
-            if needs_grad and op.vjp is not None:
-                autograd.record(op, args, params, out)
-            return out
-        try:
-            out = _wrap(op.impl(*arrays, **params))
-        except (ValueError, IndexError) as e:
-            raise _explain(op, arrays, params, e) from e
+        else:
+            try:
+                out = _wrap(op.impl(*arrays, **params))
+            except (ValueError, IndexError) as e:
+                raise _explain(op, arrays, params, e) from e
     else:
         out = interp(op, args, params)
     if needs_grad and op.vjp is not None:

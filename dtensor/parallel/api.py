@@ -14,7 +14,7 @@ from dtensor.nn.module import Module
 from dtensor.parallel.loss import loss_parallel as _loss_parallel
 from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                     PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-                                    distribute_param)
+                                    distribute_param, wrap_forward)
 from dtensor.placements import Replicate, Shard
 from dtensor.tensor import TensorMethods
 
@@ -87,15 +87,6 @@ def parallelize_module(module: Module, device_mesh: DeviceMesh, parallelize_plan
 
 
 # ----------------------------------------------------------------------------- parallelize
-
-def _wrap_forward(module: Module, around) -> None:
-    """Run ``around(inner_forward, *args, **kwargs)`` in place of ``module.forward``."""
-    inner = module.forward
-
-    def forward(*args, **kwargs):
-        return around(inner, *args, **kwargs)
-
-    module.__dict__["forward"] = forward
 
 
 def _gpt_parts(model) -> dict:
@@ -193,7 +184,7 @@ def _shard_params_fsdp(model: Module, mesh: DeviceMesh, dp: int, tp: int | None)
             finally:
                 _m._parameters.update(stored)
 
-        _wrap_forward(m, around)
+        wrap_forward(m, around)
 
 
 def _batch_input(x, mesh: DeviceMesh, dp: int | None):
@@ -272,7 +263,7 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
                 stack.enter_context(_loss_parallel())
             return inner(*args, **kwargs)
 
-    _wrap_forward(model, around)
+    wrap_forward(model, around)
     if os.environ.get("DTENSOR_DEBUG", "0") not in ("", "0") and mesh.get_rank() == 0:
         print(_describe(model, plan, mesh, fsdp), flush=True)
     return model

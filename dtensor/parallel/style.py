@@ -203,6 +203,24 @@ def _per_arg(layouts) -> tuple:
     return tuple(layouts) if isinstance(layouts, Sequence) else (layouts,)
 
 
+def _layout_pairs(style: str, names: tuple[str, str], src, dst, hint: str):
+    """The two layout lists of a Prepare style, one entry per value; a length mismatch raises."""
+    src, dst = _per_arg(src), _per_arg(dst)
+    if len(src) != len(dst):
+        raise ValueError(f"{style}: {names[0]} {src} and {names[1]} {dst} must have {hint}.")
+    return src, dst
+
+
+def wrap_forward(module: Module, around) -> None:
+    """Run ``around(inner_forward, *args, **kwargs)`` in place of ``module.forward``."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return around(inner, *args, **kwargs)
+
+    module.__dict__["forward"] = forward
+
+
 class PrepareModuleInput(ParallelStyle):
     """Convert positional (and keyword) inputs from ``input_layouts`` to
     ``desired_input_layouts``; None entries are left alone. Parameters are not touched."""
@@ -210,12 +228,9 @@ class PrepareModuleInput(ParallelStyle):
     def __init__(self, *, input_layouts=None, desired_input_layouts=None,
                  input_kwarg_layouts: dict | None = None,
                  desired_input_kwarg_layouts: dict | None = None, use_local_output: bool = False):
-        self.input_layouts = _per_arg(input_layouts)
-        self.desired_input_layouts = _per_arg(desired_input_layouts)
-        if len(self.input_layouts) != len(self.desired_input_layouts):
-            raise ValueError(f"PrepareModuleInput: input_layouts {self.input_layouts} and "
-                             f"desired_input_layouts {self.desired_input_layouts} must have one "
-                             f"entry per positional input (None to leave one alone).")
+        self.input_layouts, self.desired_input_layouts = _layout_pairs(
+            "PrepareModuleInput", ("input_layouts", "desired_input_layouts"), input_layouts,
+            desired_input_layouts, "one entry per positional input (None to leave one alone)")
         self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
         self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
         self.use_local_output = use_local_output
@@ -232,16 +247,14 @@ class PrepareModuleInput(ParallelStyle):
 
         module.register_forward_pre_hook(pre)
         if self.desired_input_kwarg_layouts:
-            inner = module.forward
-
-            def forward(*args, **kwargs):
+            def convert_kwargs(inner, *args, **kwargs):
                 kwargs = {k: self._convert(v, mesh, tp, self.input_kwarg_layouts.get(k),
                                            self.desired_input_kwarg_layouts.get(k))
                           if k in self.desired_input_kwarg_layouts else v
                           for k, v in kwargs.items()}
                 return inner(*args, **kwargs)
 
-            module.__dict__["forward"] = forward
+            wrap_forward(module, convert_kwargs)
         return module
 
 
@@ -249,12 +262,9 @@ class PrepareModuleOutput(ParallelStyle):
     """Convert a module's output(s) from ``output_layouts`` to ``desired_output_layouts``."""
 
     def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
-        self.output_layouts = _per_arg(output_layouts)
-        self.desired_output_layouts = _per_arg(desired_output_layouts)
-        if len(self.output_layouts) != len(self.desired_output_layouts):
-            raise ValueError(f"PrepareModuleOutput: output_layouts {self.output_layouts} and "
-                             f"desired_output_layouts {self.desired_output_layouts} must have "
-                             f"the same length.")
+        self.output_layouts, self.desired_output_layouts = _layout_pairs(
+            "PrepareModuleOutput", ("output_layouts", "desired_output_layouts"), output_layouts,
+            desired_output_layouts, "the same length")
         self.use_local_output = use_local_output
 
     def apply(self, module, mesh, tp, path):

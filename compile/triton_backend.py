@@ -1,8 +1,8 @@
 """The Triton backend (kernels on numpy arrays, so always under Triton's interpreter; a device
-path needs device arrays): fused pointwise groups, row-wise kernels (softmax, log_softmax, the
-layer-norm core, their backwards), the AdamW update and random draws become ``@triton.jit``
-kernels generated from the ops' ``lower`` templates; matmuls, shape ops, gathers and collectives
-stay numpy calls (extern).
+path needs device arrays): fused pointwise groups, row-wise kernels (softmax, log_softmax,
+cross-entropy, the layer-norm core, their backwards), the AdamW update and random draws become
+``@triton.jit`` kernels generated from the ops' ``lower`` templates; matmuls, shape ops, gathers
+and collectives stay numpy calls (extern).
 
 The interpreter (``TRITON_INTERPRET=1``, set here if triton is not imported yet) runs them on
 numpy arrays through compile/triton_adapter.py: slow (30-100x numpy), for verification. Kernel
@@ -352,6 +352,58 @@ class _Rowwise:
         return out
 
 
+CROSS_ENTROPY = '''
+@triton.jit
+def kernel(x_ptr, t_ptr, g_ptr, out_ptr, R, C, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr,
+           BLOCK_C: tl.constexpr):
+    row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = row[:, None]
+    cols = tl.arange(0, BLOCK_C)[None, :]
+    mask = (rows < R) & (cols < C)
+    x = tl.load(x_ptr + rows * C + cols, mask=mask, other=-float("inf"))
+    t = tl.load(t_ptr + row, mask=row < R, other=0)[:, None]
+    m = tl.max(x, axis=1)
+    e = tl.where(mask, tl.exp(x - m[:, None]), 0.0)
+    s = tl.sum(e, axis=1)
+    if BACKWARD:  # g (softmax - onehot)
+        g = tl.load(g_ptr + row, mask=row < R, other=0.0)[:, None]
+        y = g * (e / s[:, None] - tl.where(cols == t, 1.0, 0.0))
+        tl.store(out_ptr + rows * C + cols, y, mask=mask)
+    else:  # logsumexp - x[target]
+        xt = tl.sum(tl.where(cols == t, x, 0.0), axis=1)
+        tl.store(out_ptr + row, m + tl.log(s) - xt, mask=row < R)
+'''
+
+
+class _CrossEntropy:
+    """softmax_cross_entropy (x, target) and its backward (g, x, target): whole rows per tile."""
+
+    accepts_out = True
+
+    def __init__(self, name, shape, dtype, classes):
+        self.backward = name.endswith("_backward")
+        self.shape, self.dtype, self.C = tuple(shape), np.dtype(dtype), classes
+        self.source = PRELUDE + CROSS_ENTROPY
+        self.mod, self.path = _load(self.source)
+        self.block_r, self.block_c = _tile(classes)
+
+    def __call__(self, *inputs, out=None):
+        from dtensor.compile.triton_adapter import as_triton_arg
+        g, x, t = inputs if self.backward else (None, *inputs)
+        x = np.ascontiguousarray(x)
+        R = x.size // self.C if self.C else 0
+        t = np.ascontiguousarray(t, dtype=np.int64).reshape(-1)
+        g = (np.ascontiguousarray(np.broadcast_to(g, t.shape), dtype=x.dtype) if self.backward
+             else x)  # the forward never reads g_ptr
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        if R and self.C:
+            with np.errstate(all="ignore"):
+                self.mod.kernel[((R + self.block_r - 1) // self.block_r,)](
+                    as_triton_arg(x), as_triton_arg(t), as_triton_arg(g), as_triton_arg(out), R,
+                    self.C, BACKWARD=self.backward, BLOCK_R=self.block_r, BLOCK_C=self.block_c)
+        return out
+
+
 ADAMW = '''
 @triton.jit
 def kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, N, lr, beta1, beta2, eps, weight_decay, bc1,
@@ -462,6 +514,9 @@ def _kernel_for(n: Node):
         return None
     if n.name in _ROW_KIND:
         return _Rowwise(n.name, n.params, n.shape, n.dtype), {}
+    if n.name in ("softmax_cross_entropy", "softmax_cross_entropy_backward"):
+        x = arrays[1] if n.name.endswith("_backward") else arrays[0]
+        return _CrossEntropy(n.name, n.shape, n.dtype, x.shape[-1]), {}
     if n.name == "adamw_step":
         return _AdamW(n.shape, n.dtype), dict(n.params)
     if n.name in ("rand", "randn"):

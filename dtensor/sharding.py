@@ -232,6 +232,13 @@ def _rowwise(avals, params, out, *_):
     return [([Shard(d)] * len(avals), Shard(d)) for d in range(free)] + [([R] * len(avals), R)]
 
 
+def _rows(avals, params, out, *_):
+    # Per-row ops over a last (class) dim: the row dims (those of the lowest-rank input) shard
+    # alike on every input and the output; the class dim stays whole.
+    free = min(len(a.shape) for a in avals)
+    return [([Shard(d)] * len(avals), Shard(d)) for d in range(free)] + [([R] * len(avals), R)]
+
+
 def _pointwise_stacked(avals, params, out, *_):
     nd = len(avals[0].shape)
     return [([Shard(d)] * len(avals), Shard(d + 1)) for d in range(nd)] + [([R] * len(avals), R)]
@@ -241,8 +248,8 @@ RULES = {
     "pointwise": _pointwise, "matmul": _matmul, "reshape": _reshape, "permute": _permute,
     "broadcast": _broadcast, "getitem": _getitem, "slice_scatter": _slice_scatter, "cat": _cat,
     "index_select": _index_select, "index_add": _index_add, "gather": _gather,
-    "scatter_add": _scatter_add, "rowwise": _rowwise, "pointwise_stacked": _pointwise_stacked,
-    "reduce": _reduce, "factory": _factory,
+    "scatter_add": _scatter_add, "rowwise": _rowwise, "rows": _rows,
+    "pointwise_stacked": _pointwise_stacked, "reduce": _reduce, "factory": _factory,
 }
 
 

@@ -6,6 +6,7 @@ inherit it, behave exactly like Tensor under the same user code.
 from __future__ import annotations
 
 import builtins
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -103,6 +104,17 @@ def _index(key, shape: tuple) -> tuple:
                 f"dtensor.nn.functional.embedding or index_select.")
     out.extend((0, shape[i], 1) for i in range(d, len(shape)))
     return tuple(out)
+
+
+def _sole(d: np.ndarray) -> bool:
+    """Whether no other array can see d's memory: d owns it, or d is a view of all of a buffer
+    that nothing but d references (a GEMM result seen through its transpose)."""
+    base = d.base
+    if base is None:
+        return True
+    # References to base: d's, this function's local and getrefcount's argument.
+    return (type(base) is np.ndarray and base.base is None and base.nbytes == d.nbytes
+            and sys.getrefcount(base) <= 3)
 
 
 class TensorMethods:
@@ -415,7 +427,7 @@ class Tensor(TensorMethods):
         d = self.data
         if type(d) is not np.ndarray:  # traced by dtensor.compile: no memory to share yet
             return self
-        if d.base is None and d.flags.writeable and d.flags.c_contiguous and id(self) not in taken:
+        if d.flags.writeable and d.flags.c_contiguous and id(self) not in taken and _sole(d):
             taken.add(id(self))
             return self
         return Tensor._wrap(np.array(d, order="C"))

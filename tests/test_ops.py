@@ -169,6 +169,9 @@ SAMPLES = {
     "softmax_backward": [((r(3, 5), _np_softmax(r(3, 5))), {})],
     "log_softmax": [((r(3, 5),), {}), ((3 * r(2, 3, 7),), {})],
     "log_softmax_backward": [((r(3, 5), _np_log_softmax(r(3, 5))), {})],
+    "softmax_cross_entropy": [((3 * r(5, 7), ints(7, 5)), {}), ((r(2, 3, 4), ints(4, 2, 3)), {})],
+    "softmax_cross_entropy_backward": [((r(5), 3 * r(5, 7), ints(7, 5)), {}),
+                                       ((r(2, 3), r(2, 3, 4), ints(4, 2, 3)), {})],
     "normalize": [((3 * r(4, 6) + 1,), {"eps": 1e-5}), ((r(2, 3, 5),), {"eps": 0.1})],
     "normalize_backward": [((r(4, 6), 3 * r(4, 6) + 1), {"eps": 1e-5})],
     "adamw_step": [((r(3, 4), r(3, 4), r(3, 4), r(3, 4, pos=True)),
@@ -203,6 +206,10 @@ REFERENCE = {
     "log_softmax": _np_log_softmax,
     "softmax_backward": lambda g, y: y * (g - (g * y).sum(-1, keepdims=True)),
     "log_softmax_backward": lambda g, lp: g - np.exp(lp) * g.sum(-1, keepdims=True),
+    "softmax_cross_entropy": lambda x, t: -np.take_along_axis(
+        _np_log_softmax(x), t[..., None], -1)[..., 0],
+    "softmax_cross_entropy_backward": lambda g, x, t: g[..., None] * (
+        _np_softmax(x) - (np.arange(x.shape[-1]) == t[..., None])),
     "normalize": _np_normalize,
     "normalize_backward": lambda g, x, eps: _fd_vjp(lambda a: _np_normalize(a, eps), g, x),
     "adamw_step": _np_adamw,

@@ -88,6 +88,28 @@ def test_shared_subexpression_gradient():
     np.testing.assert_allclose(x.grad.numpy(), 4 * a ** 3 + 2 * a)
 
 
+def test_leaf_gradients_own_their_memory():
+    # A Linear's weight gradient arrives as a view of a GEMM result: it is kept without a copy
+    # (C-ordered, the weight's order), but two leaves never share one gradient buffer, so an
+    # in-place update of one (clip_grad_norm_) cannot change the other.
+    x = Tensor(rng.standard_normal((5, 3)))
+    w = Tensor(rng.standard_normal((4, 3)), requires_grad=True)
+    g = rng.standard_normal((5, 4))
+    (x @ w.mT).backward(Tensor(g))
+    np.testing.assert_allclose(w.grad.numpy(), g.T @ x.numpy())
+    assert w.grad.numpy().flags.c_contiguous
+    a = Tensor(rng.standard_normal((2, 6)), requires_grad=True)
+    b = Tensor(rng.standard_normal((6, 2)), requires_grad=True)
+    c = Tensor(rng.standard_normal((3, 4)), requires_grad=True)
+    (a + b.mT + c.reshape((2, 6))).sum().backward()
+    grads = [t.grad.numpy() for t in (a, b, c)]
+    for i in range(3):
+        for j in range(i):
+            assert not np.shares_memory(grads[i], grads[j])
+    for t in grads:
+        np.testing.assert_array_equal(t, 1.0)
+
+
 def test_backward_with_gradient_and_errors():
     x = Tensor(rng.standard_normal((2, 3)), requires_grad=True)
     y = x * 3

@@ -154,10 +154,8 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
         nll = vocab_parallel_nll(input, target, valid)
     else:
         valid = target != ignore_index
-        logp = log_softmax(input, -1)
         safe = pw.where(valid, target, 0)  # an ignored row still needs an in-range index
-        nll = -st.gather(logp, safe.unsqueeze(-1), axis=logp.ndim - 1).squeeze(-1)
-        nll = pw.where(valid, nll, 0.0)
+        nll = pw.where(valid, nnops.softmax_cross_entropy(input, safe), 0.0)
     if reduction == "none":
         return nll
     if reduction == "sum":

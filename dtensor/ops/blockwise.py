@@ -6,7 +6,9 @@ temporaries in L2, so only the inputs and the output travel to memory once.
 
 Blocks run on the calling thread. Splitting them over a second thread was measured slower on the
 benchmark machine (2 cores): between GEMMs, OpenBLAS's worker threads spin on the other core,
-and per-ufunc overhead holds the GIL.
+and per-ufunc overhead holds the GIL. A pool of dtensor's own (OpenBLAS set to one thread, GEMMs
+and row ranges split over two threads) was no faster either: handing work to a waiting thread
+costs ~125 us there (a futex wake and a GIL hand-off each way), as much as the split saves.
 """
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """Neural-network primitives with direct rules: erf, gelu, softmax, log_softmax, normalize,
-adamw_step, and the backwards.
+softmax_cross_entropy, adamw_step, and the backwards.
 
 Each is expressible with the pointwise and reduction primitives (tests/test_ops.py checks the
 direct op against that composite, values and gradients). They are primitives because
 benchmarks/gpt_step.py showed the composites' cost: GELU's erf is ~20 ufunc passes, and the
 composite softmax backward re-derives what ``y * (g - sum(g * y))`` gives in three, the
-composite layer norm is ~30 ops, and AdamW's update ~14 passes over every parameter. As single
-ops they run as fused, cache-blocked numpy kernels (see blockwise.py), and the
-compiler lowers them as one fused group each.
+composite layer norm is ~30 ops, cross-entropy through log_softmax writes and re-reads the
+whole (tokens, vocab) log-probabilities, and AdamW's update ~14 passes over every parameter. As
+single ops they run as fused, cache-blocked numpy kernels (see blockwise.py), and the compiler
+lowers them as one fused group each.
 
 Backward ops (``*_backward``) have no vjp: double backward is not supported.
 """
@@ -227,12 +228,15 @@ def _softmax_impl(x, causal):
     add = np.where(np.tri(L, S, dtype=bool), 0.0, -np.inf).astype(x.dtype)  # (L, S)
     x = _contig(x)
     out = np.empty_like(x)
-    xs, outs = x.reshape(-1, S), out.reshape(-1, S)
+    xs, outs = x.reshape(-1, L, S), out.reshape(-1, L, S)
 
-    def run(lo, hi):
-        _softmax_block(outs[lo:hi], xs[lo:hi] + add[np.arange(lo, hi) % L])
+    def run(lo, hi):  # whole (L, S) matrices: the mask broadcasts, no per-row gather
+        block = outs[lo:hi]
+        np.add(xs[lo:hi], add, out=block)
+        rows = block.reshape(-1, S)
+        _softmax_block(rows, rows)
 
-    blockwise.run_rows(run, xs.shape[0], S * x.itemsize)
+    blockwise.run_rows(run, xs.shape[0], L * S * x.itemsize)
     return out
 
 
@@ -300,6 +304,71 @@ normalize_backward = defop(
         lambda o, a, b: _normalize_backward_block(o, a, b, eps), g, x),
     abstract=lambda g, x, eps: Aval(x.shape, x.dtype), shard="rowwise",
     lower="rowwise:normalize_backward")
+
+# ---------------------------------------------------------------- softmax cross-entropy
+
+
+def _lse_block(x):
+    """Row maxima m and sums of exp(x - m) (so logsumexp = m + log s), and exp(x - m)."""
+    m = x.max(axis=1, keepdims=True)
+    e = x - m
+    np.exp(e, out=e)
+    return m, e.sum(axis=1, keepdims=True), e
+
+
+def _rows(x, target):
+    return _contig(x).reshape(-1, x.shape[-1]), np.asarray(target).reshape(-1)
+
+
+def _softmax_cross_entropy_impl(x, target):
+    xs, ts = _rows(x, target)
+    out = np.empty(ts.shape, x.dtype)
+
+    def run(lo, hi):
+        m, s, _ = _lse_block(xs[lo:hi])
+        np.log(s, out=s)
+        s += m
+        np.subtract(s[:, 0], xs[np.arange(lo, hi), ts[lo:hi]], out=out[lo:hi])
+
+    blockwise.run_rows(run, xs.shape[0], xs.shape[1] * x.itemsize)
+    return out.reshape(x.shape[:-1])
+
+
+def _softmax_cross_entropy_backward_impl(g, x, target):
+    # d nll / dx = softmax(x) - onehot(target), times the row's gradient
+    xs, ts = _rows(x, target)
+    gs = np.broadcast_to(g, np.shape(target)).reshape(-1, 1)
+    out = np.empty_like(xs)
+
+    def run(lo, hi):
+        _, s, e = _lse_block(xs[lo:hi])
+        np.divide(gs[lo:hi], s, out=s)
+        np.multiply(e, s, out=out[lo:hi])
+        out[np.arange(lo, hi), ts[lo:hi]] -= gs[lo:hi, 0]
+
+    blockwise.run_rows(run, xs.shape[0], xs.shape[1] * x.itemsize)
+    return out.reshape(x.shape)
+
+
+def _cross_entropy_abstract(x, target):
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"softmax_cross_entropy: target shape {tuple(target.shape)} must be the "
+                         f"logits' shape without the class dim, {tuple(x.shape[:-1])}.")
+    return Aval(tuple(x.shape[:-1]), x.dtype)
+
+
+# -log softmax(x)[target] per row, from logits over the last dim: one pass over the logits
+# forward (max, exp, sum, and the target's logit), one backward (softmax - onehot), and nothing
+# of the (rows, classes) size stored in between.
+softmax_cross_entropy = defop(
+    "softmax_cross_entropy", impl=_softmax_cross_entropy_impl, abstract=_cross_entropy_abstract,
+    vjp=lambda g, out, x, target: (softmax_cross_entropy_backward(g, x, target), None),
+    shard="rows", lower="rowwise:softmax_cross_entropy", nondiff=(1,))
+
+softmax_cross_entropy_backward = defop(
+    "softmax_cross_entropy_backward", impl=_softmax_cross_entropy_backward_impl,
+    abstract=lambda g, x, target: Aval(tuple(x.shape), x.dtype), shard="rows",
+    lower="rowwise:softmax_cross_entropy_backward", nondiff=(2,))
 
 # ---------------------------------------------------------------- AdamW update
 

@@ -148,10 +148,18 @@ def _matmul_impl(x, y, out=None):
     return np.matmul(x, y, out=out)
 
 
+def _matmul_dy(g, x, y):
+    if x.ndim == 2 and y.ndim == 2:
+        # (g^T x)^T, not x^T g: the same sums, but when y is a transposed weight (a Linear's
+        # x @ W^T) the GEMM writes W's gradient in W's own (C) order, so the optimizer reads it
+        # without a copy (tensor.Tensor._owned).
+        return (g.mT @ x).mT
+    return unbroadcast(x.mT @ g, y.shape)
+
+
 matmul = defop(
     "matmul", impl=_matmul_impl, abstract=_matmul_abstract,
-    vjp=lambda g, out, x, y: (lambda: unbroadcast(g @ y.mT, x.shape),
-                              lambda: unbroadcast(x.mT @ g, y.shape)),
+    vjp=lambda g, out, x, y: (lambda: unbroadcast(g @ y.mT, x.shape), lambda: _matmul_dy(g, x, y)),
     linearity="one", shard="matmul", lower="extern:matmul")
 
 # ---------------------------------------------------------------- gather / scatter along dim 0

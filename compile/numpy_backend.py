@@ -106,6 +106,24 @@ def load(source: str):
     return mod.run, path
 
 
+def adamw_group(*arrays, sizes, each=(), **hp):
+    """The AdamW update of several parameters (inputs p, g, m, v of each in turn) into one
+    (3, total) array: parameter j's new value, m and v are columns offset_j: offset_j + size_j.
+    Hyperparameters named in ``each`` come per parameter, as ``name_j``."""
+    from dtensor.ops.nn import _adamw_impl
+    out = np.empty((3, sum(sizes)), arrays[0].dtype)
+    shared = {k: v for k, v in hp.items() if k in _ADAMW_HP}
+    offset = 0
+    for j, size in enumerate(sizes):
+        own = {k: hp[f"{k}_{j}"] for k in each}
+        _adamw_impl(*arrays[4 * j:4 * j + 4], out=out[:, offset:offset + size], **shared, **own)
+        offset += size
+    return out
+
+
+_ADAMW_HP = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")
+
+
 def rows_view(x: np.ndarray, lead: tuple, last: int) -> np.ndarray:
     """``x`` broadcast to a group's (rows, last) or (rows, 1) layout (a view if it can)."""
     c = last if (x.ndim and x.shape[-1] == last and last != 1) else 1

@@ -442,6 +442,74 @@ class _AdamW:
         return out
 
 
+# One launch for the AdamW update of every parameter (as PyTorch's fused AdamW and apex's
+# multi_tensor_apply): each program takes a chunk of one parameter, found through tables of the
+# parameters' addresses, sizes, offsets in the (3, total) result and hyperparameters.
+ADAMW_GROUP = '''
+@triton.jit
+def kernel(p_tab, g_tab, m_tab, v_tab, size_tab, offset_tab, hp_tab, chunk_tensor, chunk_start,
+           out_ptr, TOTAL, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(chunk_tensor + pid)
+    offs = tl.load(chunk_start + pid) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(size_tab + t)
+    p_ptr = tl.load(p_tab + t).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(g_tab + t).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(m_tab + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(v_tab + t).to(tl.pointer_type(tl.float32))
+    lr = tl.load(hp_tab + 7 * t)
+    beta1 = tl.load(hp_tab + 7 * t + 1)
+    beta2 = tl.load(hp_tab + 7 * t + 2)
+    eps = tl.load(hp_tab + 7 * t + 3)
+    weight_decay = tl.load(hp_tab + 7 * t + 4)
+    bc1 = tl.load(hp_tab + 7 * t + 5)
+    bc2 = tl.load(hp_tab + 7 * t + 6)
+    p = tl.load(p_ptr + offs, mask=mask)
+    g = tl.load(g_ptr + offs, mask=mask)
+    m = beta1 * tl.load(m_ptr + offs, mask=mask) + (1.0 - beta1) * g
+    v = beta2 * tl.load(v_ptr + offs, mask=mask) + (1.0 - beta2) * g * g
+    step = (m / bc1) / (tl.sqrt(v / bc2) + eps)
+    o = tl.load(offset_tab + t) + offs
+    tl.store(out_ptr + o, p * (1.0 - lr * weight_decay) - lr * step, mask=mask)
+    tl.store(out_ptr + TOTAL + o, m, mask=mask)
+    tl.store(out_ptr + 2 * TOTAL + o, v, mask=mask)
+'''
+
+
+class _AdamWGroup:
+    """adamw_group (compile/passes/fusion.py): float32 parameters, one kernel launch."""
+
+    accepts_out = True
+    _HP = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")
+
+    def __init__(self, sizes):
+        self.sizes = tuple(sizes)
+        self.total = sum(self.sizes)
+        self.block = _block(max(self.sizes))
+        chunks = [(t, s) for t, n in enumerate(self.sizes) for s in range(0, n, self.block)]
+        self.chunk_tensor = np.array([t for t, _ in chunks], np.int64)
+        self.chunk_start = np.array([s for _, s in chunks], np.int64)
+        self.size_tab = np.array(self.sizes, np.int64)
+        self.offset_tab = np.cumsum((0,) + self.sizes[:-1]).astype(np.int64)
+        self.source = PRELUDE + ADAMW_GROUP
+        self.mod, self.path = _load(self.source)
+
+    def __call__(self, *arrays, each=(), out=None, **hp):
+        from dtensor.compile.triton_adapter import as_triton_arg
+        arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the launch
+        tables = [np.array([a.ctypes.data for a in arrays[k::4]], np.int64) for k in range(4)]
+        hp_tab = np.array([[hp[k] if k in hp else hp[f"{k}_{t}"] for k in self._HP]
+                           for t in range(len(self.sizes))], np.float32)
+        out = np.empty((3, self.total), np.float32) if out is None else out
+        if len(self.chunk_tensor):
+            self.mod.kernel[(len(self.chunk_tensor),)](
+                *[as_triton_arg(t) for t in tables], as_triton_arg(self.size_tab),
+                as_triton_arg(self.offset_tab), as_triton_arg(hp_tab),
+                as_triton_arg(self.chunk_tensor), as_triton_arg(self.chunk_start),
+                as_triton_arg(out), self.total, BLOCK=self.block)
+        return out
+
+
 RANDOM = '''
 @triton.jit
 def kernel(off_ptr, out_ptr, N, seed, NORMAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -503,6 +571,9 @@ def _kernel_for(n: Node):
                           [a.dtype for a in arrays], f"{n.name} {n.note}"), keys
     if n.dtype is None or n.dtype.kind != "f" or not n.shape:
         return None
+    if n.name == "adamw_group" and n.dtype == np.float32:
+        return _AdamWGroup(n.params["sizes"]), {k: v for k, v in n.params.items()
+                                                 if k != "sizes"}
     local = getattr(n.fn, "func", None)
     if local in (_rand_local, _randn_local):  # a DTensor block: its global flat offsets
         offsets = _block_offsets(n.fn.keywords["out_spec"])

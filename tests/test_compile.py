@@ -111,6 +111,15 @@ def test_compiled_train_step_one_process_standard_workload():
     comp = train(STANDARD, 5, compiled=True, dropout=0.1)
     _assert_same(comp, eager)
     assert comp[3].compiles == 2
+    _assert_one_adamw_update(comp[3])
+
+
+def _assert_one_adamw_update(run):
+    """The AdamW updates of all parameters are one node (one kernel), and nothing else."""
+    names = [n.name for n in run.last.graph.nodes]
+    parts = names.count("adamw_part")
+    assert names.count("adamw_group") == 1 and "adamw_step" not in names, names
+    assert parts == len(run.last.graph.nodes[names.index("adamw_group")].params["sizes"]) > 10
 
 
 LAYOUTS = [
@@ -128,6 +137,7 @@ def test_compiled_parallel_train_step(tp, dp, rank):
     eager = train(STANDARD, 5, compiled=False, tp=tp, dp=dp)
     comp = train(STANDARD, 5, compiled=True, tp=tp, dp=dp)
     _assert_same(comp, eager)
+    _assert_one_adamw_update(comp[3])
     e, c = eager[2], comp[2]
     assert c.count() <= e.count() and c.bytes() == e.bytes(), (e.summary(), c.summary())
     if dp > 1:

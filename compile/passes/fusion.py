@@ -7,6 +7,10 @@ two groups that meet at one op merge. Intermediate values of a group are therefo
 outside it, and the fused node sits where its last op was, after every external input. Inputs
 from outside may broadcast (a bias, a row statistic); scalars stay constants.
 
+``fuse_adamw`` gathers the AdamW updates of all parameters (same hyperparameters and dtype) into
+one ``adamw_group`` node, one kernel over every parameter, as PyTorch's fused/foreach AdamW: its
+(3, total) result is cut back into each parameter's (3, ...) block by ``adamw_part`` views.
+
 The fused node keeps its ops (``node.params["ops"]``: (name, op, inputs, params) with inputs
 naming external inputs as ("in", k) and earlier ops as ("op", j)); each backend generates its
 kernel from that list (numpy: cache-blocked ufunc calls; Triton: one @triton.jit kernel).
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtensor.compile.graph import Graph, Node
+from dtensor.compile.graph import Graph, Node, Slot
 
 
 def pointwise_op(n: Node):
@@ -130,4 +134,81 @@ def fuse_pointwise(graph: Graph) -> Graph:
                          for o in graph.outputs]
         for n in graph.nodes:
             n.inputs = [fused_at.get(a.id, a) if isinstance(a, Node) else a for a in n.inputs]
+    return graph
+
+
+def _adamw_node(n: Node) -> bool:
+    from dtensor.ops.registry import OPS
+    return n.kind == "op" and n.name == "adamw_step" and n.fn is OPS["adamw_step"].impl
+
+
+def adamw_part(flat, *, offset: int, shape: tuple):
+    """One parameter's (3, ...) block of an adamw_group result: a view."""
+    size = int(np.prod(shape[1:]))
+    return flat[:, offset:offset + size].reshape(shape)
+
+
+def fuse_adamw(graph: Graph) -> Graph:
+    """All AdamW updates with the same hyperparameters become one ``adamw_group`` node where the
+    last of them was, followed by a view of each block and the views taken of those (the
+    optimizer's new param / m / v). Skipped when anything else reads an update before the last
+    update runs (nothing in an optimizer step does)."""
+    from dtensor.compile.numpy_backend import adamw_group
+    from dtensor.compile.passes.memory import VIEW_OPS
+    index = {n.id: i for i, n in enumerate(graph.nodes)}
+    groups: dict = {}
+    for n in graph.nodes:
+        if _adamw_node(n):  # runtime slots (lr, bias corrections) may differ per parameter
+            key = (n.dtype.str, tuple(sorted((k, repr(v)) for k, v in n.params.items()
+                                             if not isinstance(v, Slot))))
+            groups.setdefault(key, []).append(n)
+    users = graph.users()
+    replace: dict[int, list[Node]] = {}  # id of the last update -> the nodes taking its place
+    drop: set[int] = set()
+    parts: dict[int, Node] = {}
+    moved: set[int] = set()  # views of an update's result: they move behind the group
+    for members in groups.values():
+        last = index[members[-1].id]
+        views, stack = set(), list(members)
+        while stack:
+            x = stack.pop()
+            for u in users.get(x.id, ()):
+                if u.name in VIEW_OPS and all(a is x for a in u.inputs if isinstance(a, Node)):
+                    views.add(u.id)
+                    stack.append(u)
+        readers = [u for m in members for u in users.get(m.id, ()) if u.id not in views]
+        readers += [u for v in views for u in users.get(v, ()) if u.id not in views]
+        if len(members) < 2 or any(index[u.id] <= last for u in readers):
+            continue
+        moved |= views
+        sizes = [int(np.prod(m.shape[1:])) for m in members]
+        inputs = [a for m in members for a in m.inputs]
+        params = {k: v for k, v in members[0].params.items() if not isinstance(v, Slot)}
+        each = tuple(k for k, v in members[0].params.items() if isinstance(v, Slot))
+        for j, m in enumerate(members):
+            params.update({f"{k}_{j}": m.params[k] for k in each})
+        group = Node(graph._next, "op", "adamw_group", inputs,
+                     {**params, "sizes": tuple(sizes), "each": each}, (3, sum(sizes)),
+                     members[0].dtype, fn=adamw_group, note=f"[{len(members)} parameters]")
+        graph._next += 1
+        nodes, offset = [group], 0
+        for m, size in zip(members, sizes):
+            part = Node(m.id, "op", "adamw_part", [group], {"offset": offset, "shape": m.shape},
+                        m.shape, m.dtype, fn=adamw_part, note=m.note)
+            offset += size
+            parts[m.id] = part
+            nodes.append(part)
+            drop.add(m.id)
+        replace[members[-1].id] = nodes + [n for n in graph.nodes if n.id in views]
+    if replace:
+        new = []
+        for n in graph.nodes:
+            if n.id in replace:
+                new.extend(replace[n.id])
+            elif n.id not in drop and n.id not in moved:
+                new.append(n)
+        graph.nodes = new
+        graph.outputs = [parts.get(o.id, o) if isinstance(o, Node) else o for o in graph.outputs]
+        for n in graph.nodes:
+            n.inputs = [parts.get(a.id, a) if isinstance(a, Node) else a for a in n.inputs]
     return graph

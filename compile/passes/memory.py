@@ -12,7 +12,8 @@ import numpy as np
 from dtensor.compile.graph import Graph, Node
 
 # Ops whose result may share memory with their (first) input.
-VIEW_OPS = frozenset({"reshape", "permute", "getitem", "broadcast_to", "bucket_part", "wait"})
+VIEW_OPS = frozenset({"reshape", "permute", "getitem", "broadcast_to", "bucket_part", "wait",
+                      "adamw_part"})
 
 
 def _out_capable(n: Node) -> bool:

@@ -391,9 +391,11 @@ def _adamw_block(out, p, g, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2)
     po -= tmp
 
 
-def _adamw_impl(p, g, m, v, **hp):
+def _adamw_impl(p, g, m, v, out=None, **hp):
+    """The update of one parameter into ``out`` (new param, m, v as rows of a (3, size) array,
+    possibly a column range of a larger one)."""
     p, g, m, v = (_contig(a).reshape(-1) for a in (p, g, m, v))
-    out = np.empty((3, p.size), p.dtype)
+    out = np.empty((3, p.size), p.dtype) if out is None else out
 
     def run(lo, hi):
         _adamw_block(out[:, lo:hi], p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], **hp)

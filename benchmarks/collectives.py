@@ -1,9 +1,10 @@
 """all_reduce / all_gather / reduce_scatter bus bandwidth: dtensor.comm vs raw mpi4py.
 
-All paths are measured in the same job, interleaved, on the same buffers; one JSON line per
-(collective, size, ranks) with median times, bus bandwidths and ratios (mpi4py time / dtensor
-time): ``ratio`` for dtensor's default fresh result array, ``ratio_out`` for ``out=`` a reused
-buffer, which is what the raw mpi4py call gets.
+All paths are measured in the same job, interleaved, on the same buffers; one JSON
+line per (collective, size, ranks) with median times, bus bandwidths and ratios (mpi4py time /
+dtensor time): ``ratio`` for dtensor's default fresh result array, ``ratio_out`` for ``out=`` a
+reused buffer, which is what the raw mpi4py call gets, and ``ratio_control`` for the raw call
+against itself (a second, identical path): how far apart two equal paths land on this machine.
 
     python benchmarks/collectives.py             # spawns 2 and 4 ranks itself
     dtlaunch --nproc 4 benchmarks/collectives.py # or one world size under dtlaunch
@@ -24,16 +25,7 @@ import numpy as np
 SIZES_MB = (4, 64)
 
 
-def _time(fn, iters: int) -> float:
-    from mpi4py import MPI
-    MPI.COMM_WORLD.Barrier()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t) / iters
-
-
-def run(repeats: int = 9) -> list[dict]:
+def run(repeats: int | None = None) -> list[dict]:
     from mpi4py import MPI
 
     from dtensor.comm import get_world
@@ -47,8 +39,9 @@ def run(repeats: int = 9) -> list[dict]:
         full = np.ones(count, np.float32)
         part = np.ones(count // n, np.float32)
         out_full, out_part = np.empty_like(full), np.empty_like(part)
-        iters = 10 if mb <= 4 else 3
-        # (dtensor with a fresh result, dtensor into a reused buffer, raw mpi4py, busbw factor)
+        reps, iters = repeats or 21, 10 if mb <= 4 else 2
+        # (dtensor with a fresh result, dtensor into a reused buffer, raw mpi4py, raw mpi4py
+        # again as a control: its ratio to the first is this machine's noise floor)
         cases = {
             "all_reduce": (lambda: comm.all_reduce(full),
                            lambda: comm.all_reduce(full, out=out_full),
@@ -61,24 +54,31 @@ def run(repeats: int = 9) -> list[dict]:
                                lambda: raw.Reduce_scatter_block(full, out_part, op=MPI.SUM),
                                (n - 1) / n),
         }
-        for name, fns in cases.items():
-            *paths, factor = fns
-            times = [[] for _ in paths]
+        for name, (fresh_fn, out_fn, mpi_fn, factor) in cases.items():
+            paths = [fresh_fn, out_fn, mpi_fn, mpi_fn]
+            times: list[list[float]] = [[] for _ in paths]
             for f in paths:
                 f()  # warm up every path
-            for rep in range(repeats):  # interleaved, rotating which path goes first, so drift
-                for j in range(len(paths)):  # and cache warmth on a shared machine hit all alike
+            # Blocks of calls after a barrier, interleaved and rotating which path goes first:
+            # drift and cache warmth on a shared machine hit all paths alike.
+            for rep in range(reps):
+                for j in range(len(paths)):
                     k = (j + rep) % len(paths)
-                    times[k].append(_time(paths[k], iters))
-            fresh, reused, mpi = (statistics.median(ts) for ts in times)
+                    raw.Barrier()
+                    t = time.perf_counter()
+                    for _ in range(iters):
+                        paths[k]()
+                    times[k].append((time.perf_counter() - t) / iters)
+            fresh, reused, mpi, control = (statistics.median(ts) for ts in times)
             nbytes = full.nbytes
             rows.append({
                 "bench": "collectives", "op": name, "ranks": n, "size_mb": mb,
-                "dtensor_ms": round(fresh * 1e3, 3), "dtensor_out_ms": round(reused * 1e3, 3),
-                "mpi4py_ms": round(mpi * 1e3, 3),
+                "calls": reps * iters, "dtensor_ms": round(fresh * 1e3, 3),
+                "dtensor_out_ms": round(reused * 1e3, 3), "mpi4py_ms": round(mpi * 1e3, 3),
                 "dtensor_busbw_gbs": round(nbytes / fresh * factor / 1e9, 3),
                 "mpi4py_busbw_gbs": round(nbytes / mpi * factor / 1e9, 3),
                 "ratio": round(mpi / fresh, 3), "ratio_out": round(mpi / reused, 3),
+                "ratio_control": round(mpi / control, 3),
             })
     return rows
 

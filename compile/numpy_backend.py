@@ -112,7 +112,7 @@ def adamw_group(*arrays, sizes, each=(), **hp):
     Hyperparameters named in ``each`` come per parameter, as ``name_j``."""
     from dtensor.ops.nn import _adamw_impl
     out = np.empty((3, sum(sizes)), arrays[0].dtype)
-    shared = {k: v for k, v in hp.items() if k in _ADAMW_HP}
+    shared = {k: v for k, v in hp.items() if k in ADAMW_HYPERPARAMETERS}
     offset = 0
     for j, size in enumerate(sizes):
         own = {k: hp[f"{k}_{j}"] for k in each}
@@ -121,7 +121,8 @@ def adamw_group(*arrays, sizes, each=(), **hp):
     return out
 
 
-_ADAMW_HP = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")
+# adamw_step's params, in the order of the Triton group kernel's hyperparameter table.
+ADAMW_HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")
 
 
 def rows_view(x: np.ndarray, lead: tuple, last: int) -> np.ndarray:

@@ -80,18 +80,22 @@ def gelu_tanh(x):
 
 
 @triton.jit
-def gelu_none_grad(g, x):
-    phi = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
-    return g * (phi + x * pdf)
+def _gelu_s(x, y):  # y / x = Phi(x) or (1 + tanh u) / 2; its Taylor expansion near 0 (ops/nn.py)
+    near = tl.abs(x) < 1e-4
+    return tl.where(near, 0.5 + 0.3989422804014327 * x, y / tl.where(near, 1.0, x))
 
 
 @triton.jit
-def gelu_tanh_grad(g, x):
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    t = tanh(u)
+def gelu_none_grad(g, x, y):
+    pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
+    return g * (_gelu_s(x, y) + x * pdf)
+
+
+@triton.jit
+def gelu_tanh_grad(g, x, y):
+    s = _gelu_s(x, y)
     du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
-    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+    return g * (s + 2.0 * x * s * (1.0 - s) * du)
 '''
 
 
@@ -480,7 +484,6 @@ class _AdamWGroup:
     """adamw_group (compile/passes/fusion.py): float32 parameters, one kernel launch."""
 
     accepts_out = True
-    _HP = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")
 
     def __init__(self, sizes):
         self.sizes = tuple(sizes)
@@ -495,10 +498,11 @@ class _AdamWGroup:
         self.mod, self.path = _load(self.source)
 
     def __call__(self, *arrays, each=(), out=None, **hp):
+        from dtensor.compile.numpy_backend import ADAMW_HYPERPARAMETERS
         from dtensor.compile.triton_adapter import as_triton_arg
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the launch
         tables = [np.array([a.ctypes.data for a in arrays[k::4]], np.int64) for k in range(4)]
-        hp_tab = np.array([[hp[k] if k in hp else hp[f"{k}_{t}"] for k in self._HP]
+        hp_tab = np.array([[hp[k] if k in hp else hp[f"{k}_{t}"] for k in ADAMW_HYPERPARAMETERS]
                            for t in range(len(self.sizes))], np.float32)
         out = np.empty((3, self.total), np.float32) if out is None else out
         if len(self.chunk_tensor):

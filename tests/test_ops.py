@@ -51,6 +51,13 @@ def _np_gelu(x, approximate):
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
+def _gelu_grad_args(approximate):
+    """(g, x, y = gelu(x)): gelu_backward reads the forward's output; x holds a 0."""
+    x = 2 * r(4, 5)
+    x[0, 0] = 0.0
+    return r(4, 5), x, _np_gelu(x, approximate)
+
+
 def _np_gelu_grad(g, x, approximate):
     h = 1e-6
     return g * (_np_gelu(x + h, approximate) - _np_gelu(x - h, approximate)) / (2 * h)
@@ -162,8 +169,7 @@ SAMPLES = {
     "rand": [((np.empty((3, 4)),), {"key": 123, "dtype": np.dtype(np.float32)})],
     "randn": [((np.empty((5, 3)),), {"key": 2 ** 40 + 7, "dtype": np.dtype(np.float64)})],
     "gelu": [((2 * r(4, 5),), {"approximate": "none"}), ((2 * r(4, 5),), {"approximate": "tanh"})],
-    "gelu_backward": [((r(4, 5), 2 * r(4, 5)), {"approximate": "none"}),
-                      ((r(4, 5), 2 * r(4, 5)), {"approximate": "tanh"})],
+    "gelu_backward": [(_gelu_grad_args(a), {"approximate": a}) for a in ("none", "tanh")],
     "softmax": [((r(3, 5),), {"causal": False}), ((3 * r(2, 3, 7),), {"causal": False}),
                 ((3 * r(2, 4, 4),), {"causal": True}), ((r(3, 5),), {"causal": True})],
     "softmax_backward": [((r(3, 5), _np_softmax(r(3, 5))), {})],
@@ -200,7 +206,8 @@ REFERENCE = {
         like.shape).astype(dtype),
     "randn": lambda like, key, dtype: _np_philox_normal(key, like.size).reshape(
         like.shape).astype(dtype),
-    "gelu": _np_gelu, "gelu_backward": _np_gelu_grad,
+    "gelu": _np_gelu,
+    "gelu_backward": lambda g, x, y, approximate: _np_gelu_grad(g, x, approximate),
     "softmax": lambda x, causal: _np_softmax(
         np.where(np.tri(*x.shape[-2:], dtype=bool), x, -np.inf) if causal else x),
     "log_softmax": _np_log_softmax,
@@ -295,6 +302,7 @@ def test_max_ties_share_the_gradient():
 
 
 # The direct-rule nn ops against the composites of primitives they replace: values and grads.
+_TARGETS = ints(6, 3, 4)
 COMPOSITES = {
     "gelu": (lambda x: dtensor.nn.functional.gelu(x),
              lambda x: 0.5 * x * (1.0 + (x * (1 / math.sqrt(2))).erf())),
@@ -307,6 +315,10 @@ COMPOSITES = {
     "log_softmax": (lambda x: dtensor.nn.functional.log_softmax(x, 1),
                     lambda x: x - x.max(1, keepdims=True) -
                     (x - x.max(1, keepdims=True)).exp().sum(1, keepdims=True).log()),
+    "softmax_cross_entropy": (
+        lambda x: OPS["softmax_cross_entropy"](x, dtensor.Tensor(_TARGETS)),
+        lambda x: -OPS["gather"](dtensor.nn.functional.log_softmax(x, -1),
+                                 dtensor.Tensor(_TARGETS[..., None]), axis=2).squeeze(-1)),
 }
 
 
@@ -314,15 +326,27 @@ COMPOSITES = {
 def test_direct_rule_equals_composite(name):
     direct, composite = COMPOSITES[name]
     x0 = 2 * r(3, 4, 6)
-    g = r(3, 4, 6)
     results = []
     for f in (direct, composite):
         x = dtensor.Tensor(x0, requires_grad=True)
         y = f(x)
-        y.backward(dtensor.Tensor(g))
+        y.backward(dtensor.Tensor(np.linspace(-1, 2, math.prod(y.shape)).reshape(y.shape)))
         results.append((y.numpy(), x.grad.numpy()))
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelu_backward_near_zero(approximate, dtype):
+    # gelu_backward divides the forward's output by x: at and near 0 the slope must still be
+    # GELU's, 1/2 + O(x).
+    x = np.array([0.0, 1e-38, -1e-35, 1e-30, -1e-20, 1e-7, -3e-4, 2.5], dtype)
+    y = apply(OPS["gelu"], dtensor.Tensor(x), approximate=approximate)
+    g = apply(OPS["gelu_backward"], dtensor.Tensor(np.ones_like(x)), dtensor.Tensor(x), y,
+              approximate=approximate)
+    expect = _np_gelu_grad(np.ones(x.size), x.astype(np.float64), approximate)
+    np.testing.assert_allclose(g.numpy(), expect, rtol=2e-6, atol=1e-6)
 
 
 def test_float32_stays_float32():

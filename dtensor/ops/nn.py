@@ -124,34 +124,46 @@ def _gelu_tanh_block(out, x):
     out *= 0.5
 
 
-def _gelu_erf_grad_block(out, g, x):
-    # d/dx [x Phi(x)] = Phi(x) + x phi(x)
-    phi, e = _phi_and_pdf(x)
+# GELU's backward reads the forward's output y = x s(x) (s = Phi for the erf form, (1 + tanh u)/2
+# for the tanh form): s = y / x costs one division where recomputing it costs the polynomial and
+# reciprocal (erf) or a tanh. Near 0, where y / x would magnify any error in y, both forms take
+# their Taylor expansion s = 1/2 + x / sqrt(2 pi) + O(x^3) (exact to ~1e-13 for |x| < 1e-4).
+_NEAR_ZERO = 1e-4
+
+
+def _gelu_s(x, y):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = y / x
+    taylor = x * _INV_SQRT_2PI
+    taylor += 0.5
+    return np.where(np.abs(x) < _NEAR_ZERO, taylor, s)
+
+
+def _gelu_erf_grad_block(out, g, x, y):
+    # d/dx [x Phi(x)] = Phi(x) + x pdf(x)
+    s = _gelu_s(x, y)
+    e = x * x
+    e *= -0.5
+    np.exp(e, out=e)
     e *= _INV_SQRT_2PI
     e *= x
-    phi += e
-    np.multiply(phi, g, out=out)
+    s += e
+    np.multiply(s, g, out=out)
 
 
-def _gelu_tanh_grad_block(out, g, x):
-    # y = x/2 (1 + tanh u), u = a (x + c x^3):
-    # dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) a (1 + 3 c x^2)
-    x2 = x * x
-    u = x2 * _TANH_C
-    u += 1.0
-    u *= x
-    u *= _SQRT_2_OVER_PI
-    th = np.tanh(u, out=u)
-    du = x2 * (3.0 * _TANH_C)
+def _gelu_tanh_grad_block(out, g, x, y):
+    # y = x s with s = (1 + tanh u)/2, u = a (x + c x^3), so 1 - tanh^2 u = 4 s (1 - s) and
+    # dy/dx = s + x/2 (1 - tanh^2 u) a (1 + 3 c x^2) = s + 2 x s (1 - s) a (1 + 3 c x^2)
+    s = _gelu_s(x, y)
+    du = x * x
+    du *= 3.0 * _TANH_C
     du += 1.0
-    du *= _SQRT_2_OVER_PI
-    sech2 = th * th
-    np.subtract(1.0, sech2, out=sech2)
-    du *= sech2
+    du *= 2.0 * _SQRT_2_OVER_PI
     du *= x
-    np.add(th, 1.0, out=out)
-    out += du
-    out *= 0.5
+    np.subtract(1.0, s, out=out)
+    out *= s
+    out *= du
+    out += s
     out *= g
 
 
@@ -159,22 +171,23 @@ def _gelu_impl(x, approximate):
     return _pointwise_new(_gelu_erf_block if approximate == "none" else _gelu_tanh_block, x)
 
 
-def _gelu_backward_impl(g, x, approximate):
+def _gelu_backward_impl(g, x, y, approximate):
     x = _contig(x)
-    g = _contig(np.broadcast_to(g, x.shape))
+    g, y = (_contig(np.broadcast_to(a, x.shape)) for a in (g, y))
     kernel = _gelu_erf_grad_block if approximate == "none" else _gelu_tanh_grad_block
-    return blockwise.pointwise(kernel, np.empty_like(x), g, x)
+    return blockwise.pointwise(kernel, np.empty_like(x), g, x, y)
 
 
 gelu = defop(
     "gelu", impl=_gelu_impl, abstract=lambda x, approximate: Aval(x.shape, x.dtype),
-    vjp=lambda g, out, x, approximate: (gelu_backward(g, x, approximate=approximate),),
+    vjp=lambda g, out, x, approximate: (gelu_backward(g, x, out, approximate=approximate),),
     shard="pointwise", lower="gelu_{approximate}({0})", params={"approximate": ("none", "tanh")})
 
+# gelu_backward(g, x, y): the gradient through y = gelu(x), given the forward's output y.
 gelu_backward = defop(
     "gelu_backward", impl=_gelu_backward_impl,
-    abstract=lambda g, x, approximate: pointwise_abstract(g, x), shard="pointwise",
-    lower="gelu_{approximate}_grad({0}, {1})", params={"approximate": ("none", "tanh")})
+    abstract=lambda g, x, y, approximate: pointwise_abstract(g, x, y), shard="pointwise",
+    lower="gelu_{approximate}_grad({0}, {1}, {2})", params={"approximate": ("none", "tanh")})
 
 # ---------------------------------------------------------------- softmax over the last dim
 

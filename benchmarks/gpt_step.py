@@ -4,7 +4,8 @@ Prints one JSON line (rank 0): median/min/max step seconds over --steps steps af
 tokens/s, achieved GFLOP/s (27.41 GFLOP per step for the standard workload, counted as in the
 issue), peak RSS, and numpy's own float32 matmul GFLOP/s measured in the same run with the same
 threads, between the steps, so the result reads as a ratio (``ratio_to_matmul``: the median over
-steps of the step's GFLOP/s over the faster of the two reference GEMMs around it). Under
+steps of the step's GFLOP/s over the faster of the two reference GEMMs around it; under dtlaunch
+every rank times the reference at once and the rates are summed: the machine's GEMM rate). Under
 dtlaunch the model goes through dtensor.parallel.parallelize on a (dp, tp) mesh, and the line
 also gives the collectives per step (count and bytes by kind, from the debug counter) next to
 Megatron-LM's figures for the same layout (``megatron_bytes``, ``bytes_ratio``). With --compile
@@ -142,6 +143,9 @@ def main() -> None:
         times.append(time.perf_counter() - t)
         logs.append(log.summary())
         refs.append(numpy_matmul_gflops(reps=1))
+    if world > 1:  # every rank timed its GEMM at the same moment: the machine's rate is the sum
+        from dtensor.comm import get_world
+        refs = get_world().all_reduce(np.array(refs)).tolist()
     matmul = statistics.median(refs)
     med = statistics.median(times)
     flops = step_flops(cfg, args.batch, args.seq)

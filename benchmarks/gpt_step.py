@@ -135,15 +135,21 @@ def main() -> None:
     from dtensor.comm import count_collectives
     # The machine's speed drifts (shared, noisy): the reference GEMM is timed between the steps,
     # and each step is compared with the faster of the references just before and after it.
-    times, logs, refs = [], [], [numpy_matmul_gflops(reps=1)]
+    def reference() -> float:
+        if world > 1:  # every rank times its GEMM at the same moment
+            from dtensor.comm import get_world
+            get_world().barrier()
+        return numpy_matmul_gflops(reps=1)
+
+    times, logs, refs = [], [], [reference()]
     for _ in range(args.steps):
         t = time.perf_counter()
         with count_collectives() as log:
             step()
         times.append(time.perf_counter() - t)
         logs.append(log.summary())
-        refs.append(numpy_matmul_gflops(reps=1))
-    if world > 1:  # every rank timed its GEMM at the same moment: the machine's rate is the sum
+        refs.append(reference())
+    if world > 1:  # the machine's GEMM rate: the sum over the ranks
         from dtensor.comm import get_world
         refs = get_world().all_reduce(np.array(refs)).tolist()
     matmul = statistics.median(refs)

@@ -80,22 +80,19 @@ def gelu_tanh(x):
 
 
 @triton.jit
-def _gelu_s(x, y):  # y / x = Phi(x) or (1 + tanh u) / 2; its Taylor expansion near 0 (ops/nn.py)
+def gelu_none_grad(g, x, y):  # Phi = y / x, its Taylor expansion near 0 (dtensor/ops/nn.py)
     near = tl.abs(x) < 1e-4
-    return tl.where(near, 0.5 + 0.3989422804014327 * x, y / tl.where(near, 1.0, x))
-
-
-@triton.jit
-def gelu_none_grad(g, x, y):
+    phi = tl.where(near, 0.5 + 0.3989422804014327 * x, y / tl.where(near, 1.0, x))
     pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
-    return g * (_gelu_s(x, y) + x * pdf)
+    return g * (phi + x * pdf)
 
 
 @triton.jit
 def gelu_tanh_grad(g, x, y):
-    s = _gelu_s(x, y)
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    t = tanh(u)
     du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
-    return g * (s + 2.0 * x * s * (1.0 - s) * du)
+    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
 '''
 
 
@@ -369,6 +366,8 @@ def kernel(x_ptr, t_ptr, g_ptr, out_ptr, R, C, BACKWARD: tl.constexpr, BLOCK_R: 
     m = tl.max(x, axis=1)
     e = tl.where(mask, tl.exp(x - m[:, None]), 0.0)
     s = tl.sum(e, axis=1)
+    # (A target outside [0, C) matches no column: the numpy kernel raises for it, this one
+    # cannot and leaves the target term out.)
     if BACKWARD:  # g (softmax - onehot)
         g = tl.load(g_ptr + row, mask=row < R, other=0.0)[:, None]
         y = g * (e / s[:, None] - tl.where(cols == t, 1.0, 0.0))
@@ -575,7 +574,7 @@ def _kernel_for(n: Node):
                           [a.dtype for a in arrays], f"{n.name} {n.note}"), keys
     if n.dtype is None or n.dtype.kind != "f" or not n.shape:
         return None
-    if n.name == "adamw_group" and n.dtype == np.float32:
+    if n.name == "adamw_group" and all(a.dtype == np.float32 for a in arrays):
         return _AdamWGroup(n.params["sizes"]), {k: v for k, v in n.params.items()
                                                  if k != "sizes"}
     local = getattr(n.fn, "func", None)
@@ -590,7 +589,7 @@ def _kernel_for(n: Node):
     if n.name in _ROW_KIND:
         return _Rowwise(n.name, n.params, n.shape, n.dtype), {}
     if n.name in ("softmax_cross_entropy", "softmax_cross_entropy_backward"):
-        x = arrays[1] if n.name.endswith("_backward") else arrays[0]
+        x = n.inputs[1] if n.name.endswith("_backward") else n.inputs[0]  # (g, x, t) / (x, t)
         return _CrossEntropy(n.name, n.shape, n.dtype, x.shape[-1]), {}
     if n.name == "adamw_step":
         return _AdamW(n.shape, n.dtype), dict(n.params)

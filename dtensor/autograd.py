@@ -92,7 +92,9 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
     grads = {id(root): grad}
     wanted_ids = {id(w) for w in wanted}
     found = {}
-    taken: set = set()  # gradients already stored in a .grad: a second leaf gets a copy
+    # Gradients already stored in a .grad, and the caller's own: a leaf reached by one of them
+    # gets a copy.
+    taken: set = {id(grad)}
     with no_grad():
         for t in _topo_order(root):
             g = grads.pop(id(t), None)

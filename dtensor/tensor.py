@@ -106,15 +106,26 @@ def _index(key, shape: tuple) -> tuple:
     return tuple(out)
 
 
+def _base_refs(d: np.ndarray) -> int:
+    return sys.getrefcount(d.base)
+
+
+# References _base_refs counts for a view whose base nothing else holds, measured on this
+# interpreter (what getrefcount reports for locals and arguments differs between versions).
+_SOLE_VIEW_REFS = _base_refs(np.empty(4).reshape(2, 2))
+
+
 def _sole(d: np.ndarray) -> bool:
-    """Whether no other array can see d's memory: d owns it, or d is a view of all of a buffer
-    that nothing but d references (a GEMM result seen through its transpose)."""
+    """Whether no other array shares d's memory: d owns it, or d is a view of all of a buffer
+    that no other object references (a GEMM result seen through its transpose). Whether some
+    object holds ``d`` itself is the caller's concern."""
     base = d.base
     if base is None:
         return True
-    # References to base: d's, this function's local and getrefcount's argument.
-    return (type(base) is np.ndarray and base.base is None and base.nbytes == d.nbytes
-            and sys.getrefcount(base) <= 3)
+    if type(base) is not np.ndarray or base.base is not None or base.nbytes != d.nbytes:
+        return False
+    del base  # counted as _SOLE_VIEW_REFS was: no local reference
+    return _base_refs(d) <= _SOLE_VIEW_REFS
 
 
 class TensorMethods:
@@ -421,9 +432,9 @@ class Tensor(TensorMethods):
         return self
 
     def _owned(self, taken: set) -> "Tensor":
-        """This gradient if it owns writeable C-ordered memory not already handed out, else a
-        C-ordered copy (a weight's gradient arrives as the transpose of a GEMM result; the
-        optimizer then streams it in the parameter's own order)."""
+        """This gradient if it is writeable, C-ordered, computed by the engine (``taken`` holds
+        the ids of gradients already stored and of the caller's own) and shares its memory with
+        no other array; else a C-ordered copy, so a stored ``.grad`` is never an alias."""
         d = self.data
         if type(d) is not np.ndarray:  # traced by dtensor.compile: no memory to share yet
             return self

@@ -67,6 +67,16 @@ def test_cross_entropy_errors():
         F.cross_entropy(dtensor.ones(4, 5), Tensor(np.zeros(3, np.int64)))
     with pytest.raises(TypeError, match="integers"):
         F.cross_entropy(dtensor.ones(4, 5), dtensor.ones(4))
+    for bad in (-2, 5):  # -100 is the ignore_index; -2 must not wrap round to class 3
+        with pytest.raises(IndexError, match=rf"target {bad} is out of range for 5 classes"):
+            F.cross_entropy(dtensor.ones(4, 5), Tensor(np.array([0, 1, bad, 2])))
+
+
+@pytest.mark.parametrize("L,S", [(0, 5), (3, 0), (0, 0)])
+def test_causal_attention_with_no_queries_or_keys(L, S):
+    out = F.scaled_dot_product_attention(dtensor.ones(2, L, 4), dtensor.ones(2, S, 4),
+                                         dtensor.ones(2, S, 4), is_causal=True)
+    assert out.shape == (2, L, 4)
 
 
 def np_sdpa(q, k, v, mask=None, causal=False):

@@ -152,7 +152,9 @@ def fuse_adamw(graph: Graph) -> Graph:
     """All AdamW updates with the same hyperparameters become one ``adamw_group`` node where the
     last of them was, followed by a view of each block and the views taken of those (the
     optimizer's new param / m / v). Skipped when anything else reads an update before the last
-    update runs (nothing in an optimizer step does)."""
+    update runs (nothing in an optimizer step does). The group waits for every gradient, so a
+    bucketed all-reduce no longer overlaps earlier updates; MPI progresses a non-blocking
+    collective only inside MPI calls, so on CPU there was little overlap to lose."""
     from dtensor.compile.numpy_backend import adamw_group
     from dtensor.compile.passes.memory import VIEW_OPS
     index = {n.id: i for i, n in enumerate(graph.nodes)}

@@ -124,46 +124,50 @@ def _gelu_tanh_block(out, x):
     out *= 0.5
 
 
-# GELU's backward reads the forward's output y = x s(x) (s = Phi for the erf form, (1 + tanh u)/2
-# for the tanh form): s = y / x costs one division where recomputing it costs the polynomial and
-# reciprocal (erf) or a tanh. Near 0, where y / x would magnify any error in y, both forms take
-# their Taylor expansion s = 1/2 + x / sqrt(2 pi) + O(x^3) (exact to ~1e-13 for |x| < 1e-4).
-_NEAR_ZERO = 1e-4
-
-
-def _gelu_s(x, y):
-    with np.errstate(divide="ignore", invalid="ignore"):
-        s = y / x
-    taylor = x * _INV_SQRT_2PI
-    taylor += 0.5
-    return np.where(np.abs(x) < _NEAR_ZERO, taylor, s)
+# The erf form's backward reads the forward's output y = x Phi(x): Phi = y / x costs one division
+# where recomputing it costs the polynomial and a reciprocal. At x = 0 that is 0 / 0, and for
+# tiny x an absolute error in y (the sum of Partial shares, say) is magnified by 1 / |x|, so
+# there it takes Phi's Taylor expansion 1/2 + x / sqrt(2 pi) - O(x^3), below float rounding for
+# |x| < 1e-4 (float32) or 1e-6 (float64).
+_NEAR_ZERO = {2: 1e-2, 4: 1e-4, 8: 1e-6}
 
 
 def _gelu_erf_grad_block(out, g, x, y):
     # d/dx [x Phi(x)] = Phi(x) + x pdf(x)
-    s = _gelu_s(x, y)
-    e = x * x
+    with np.errstate(divide="ignore", invalid="ignore"):
+        phi = y / x
+    taylor = x * _INV_SQRT_2PI
+    taylor += 0.5
+    phi = np.where(np.abs(x) < _NEAR_ZERO[x.itemsize], taylor, phi)
+    e = np.multiply(x, x, out=taylor)
     e *= -0.5
     np.exp(e, out=e)
     e *= _INV_SQRT_2PI
     e *= x
-    s += e
-    np.multiply(s, g, out=out)
+    phi += e
+    np.multiply(phi, g, out=out)
 
 
 def _gelu_tanh_grad_block(out, g, x, y):
-    # y = x s with s = (1 + tanh u)/2, u = a (x + c x^3), so 1 - tanh^2 u = 4 s (1 - s) and
-    # dy/dx = s + x/2 (1 - tanh^2 u) a (1 + 3 c x^2) = s + 2 x s (1 - s) a (1 + 3 c x^2)
-    s = _gelu_s(x, y)
-    du = x * x
-    du *= 3.0 * _TANH_C
+    # y = x/2 (1 + tanh u), u = a (x + c x^3):
+    # dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) a (1 + 3 c x^2). Recomputed from x: 1 - y/x
+    # would cancel where tanh u is near 1.
+    x2 = x * x
+    u = x2 * _TANH_C
+    u += 1.0
+    u *= x
+    u *= _SQRT_2_OVER_PI
+    th = np.tanh(u, out=u)
+    du = x2 * (3.0 * _TANH_C)
     du += 1.0
-    du *= 2.0 * _SQRT_2_OVER_PI
+    du *= _SQRT_2_OVER_PI
+    sech2 = th * th
+    np.subtract(1.0, sech2, out=sech2)
+    du *= sech2
     du *= x
-    np.subtract(1.0, s, out=out)
-    out *= s
-    out *= du
-    out += s
+    np.add(th, 1.0, out=out)
+    out += du
+    out *= 0.5
     out *= g
 
 
@@ -232,16 +236,18 @@ def _last_dim_abstract(*xs):
 
 
 def _softmax_impl(x, causal):
+    if x.size == 0:
+        return np.empty_like(x)
     if not causal:
         return _rowwise_new(_softmax_block, x)
     # Causal: entry (i, j) of each trailing (L, S) matrix takes part iff j <= i (top-left
-    # aligned, as torch's is_causal). Rows are blocks of the flattened (..., S) view, so row r
-    # of a block is matrix row r % L.
+    # aligned, as torch's is_causal): an additive 0 / -inf mask over whole matrices.
     L, S = x.shape[-2], x.shape[-1]
     add = np.where(np.tri(L, S, dtype=bool), 0.0, -np.inf).astype(x.dtype)  # (L, S)
     x = _contig(x)
     out = np.empty_like(x)
-    xs, outs = x.reshape(-1, L, S), out.reshape(-1, L, S)
+    shape = (math.prod(x.shape[:-2]), L, S)
+    xs, outs = x.reshape(shape), out.reshape(shape)
 
     def run(lo, hi):  # whole (L, S) matrices: the mask broadcasts, no per-row gather
         block = outs[lo:hi]
@@ -330,7 +336,16 @@ def _lse_block(x):
 
 
 def _rows(x, target):
-    return _contig(x).reshape(-1, x.shape[-1]), np.asarray(target).reshape(-1)
+    """(rows, classes) logits and flat targets; a target outside [0, classes) is an error (numpy
+    would wrap a negative one round)."""
+    ts = np.asarray(target).reshape(-1)
+    classes = x.shape[-1]
+    if ts.size and (ts.min() < 0 or ts.max() >= classes):
+        bad = ts[(ts < 0) | (ts >= classes)]
+        raise IndexError(f"softmax_cross_entropy: target {int(bad[0])} is out of range for "
+                         f"{classes} classes; targets must lie in [0, {classes}) (cross_entropy "
+                         f"skips rows equal to ignore_index).")
+    return _contig(x).reshape(math.prod(x.shape[:-1]), classes), ts
 
 
 def _softmax_cross_entropy_impl(x, target):

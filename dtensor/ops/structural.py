@@ -149,10 +149,12 @@ def _matmul_impl(x, y, out=None):
 
 
 def _matmul_dy(g, x, y):
-    if x.ndim == 2 and y.ndim == 2:
-        # (g^T x)^T, not x^T g: the same sums, but when y is a transposed weight (a Linear's
-        # x @ W^T) the GEMM writes W's gradient in W's own (C) order, so the optimizer reads it
-        # without a copy (tensor.Tensor._owned).
+    node = getattr(y, "_node", None)
+    if x.ndim == 2 and y.ndim == 2 and node is not None and node.op.name == "permute":
+        # y is a transpose (a Linear's x @ W^T): (g^T x)^T has the same sums as x^T g, but the
+        # GEMM writes W's gradient in W's own (C) order, so it is stored without a copy
+        # (Tensor._owned). Decided on the autograd graph, so eager, DTensor and the compiler's
+        # trace all take the same branch.
         return (g.mT @ x).mT
     return unbroadcast(x.mT @ g, y.shape)
 

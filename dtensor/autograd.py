@@ -6,17 +6,12 @@ backward of a DTensor program is a DTensor program and the backward of a traced 
 """
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
+from dtensor._flag import Flag
 
 __all__ = ["no_grad", "enable_grad", "is_grad_enabled", "backward", "grad"]
 
 
-class _State(threading.local):
-    enabled = True
-
-
-_state = _State()
+_state = Flag(True)  # whether ops record for autograd, per thread
 
 
 class Node:
@@ -39,26 +34,16 @@ def record(op, inputs, params, out) -> None:
 
 
 def is_grad_enabled() -> bool:
-    return _state.enabled
-
-
-@contextmanager
-def _grad_mode(enabled: bool):
-    prev = _state.enabled
-    _state.enabled = enabled
-    try:
-        yield
-    finally:
-        _state.enabled = prev
+    return _state.on
 
 
 def no_grad():
     """Context manager (and decorator) that stops recording, like ``torch.no_grad``."""
-    return _grad_mode(False)
+    return _state.set(False)
 
 
 def enable_grad():
-    return _grad_mode(True)
+    return _state.set(True)
 
 
 def _topo_order(root) -> list:

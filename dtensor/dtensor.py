@@ -13,14 +13,13 @@ Example (under ``dtlaunch --nproc 4``):
 """
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
 
 from dtensor import autograd, random
+from dtensor._flag import Flag
 from dtensor.mesh import DeviceMesh
 from dtensor.ops import registry, structural
 from dtensor.ops.registry import Aval, Op
@@ -332,22 +331,12 @@ def _check_from_local(arr: np.ndarray, spec: DTensorSpec) -> None:
 
 # ----------------------------------------------------------------------------- dispatch
 
-class _Replication(threading.local):
-    on = False
+_implicit = Flag(False)
 
 
-_implicit = _Replication()
-
-
-@contextmanager
 def implicit_replication():
     """Inside the block, plain Tensors in an op with DTensors count as Replicate DTensors."""
-    prev = _implicit.on
-    _implicit.on = True
-    try:
-        yield
-    finally:
-        _implicit.on = prev
+    return _implicit.set(True)
 
 
 def _as_arg(a, mesh):

@@ -227,15 +227,10 @@ def _scatter_add(avals, params, out, op, current, pieces):
 
 
 def _rowwise(avals, params, out, *_):
-    nd = len(out.shape)
-    free = nd - (2 if params.get("causal") else 1)  # the softmax (and causal) dims stay whole
-    return [([Shard(d)] * len(avals), Shard(d)) for d in range(free)] + [([R] * len(avals), R)]
-
-
-def _rows(avals, params, out, *_):
-    # Per-row ops over a last (class) dim: the row dims (those of the lowest-rank input) shard
-    # alike on every input and the output; the class dim stays whole.
-    free = min(len(a.shape) for a in avals)
+    # Ops along the last dim of their widest input (softmax, layer norm, cross-entropy against
+    # per-row targets): the row dims shard alike on every input and the output; the last dim
+    # (and, causal, the one before it) stays whole.
+    free = max(len(a.shape) for a in avals) - (2 if params.get("causal") else 1)
     return [([Shard(d)] * len(avals), Shard(d)) for d in range(free)] + [([R] * len(avals), R)]
 
 
@@ -248,7 +243,7 @@ RULES = {
     "pointwise": _pointwise, "matmul": _matmul, "reshape": _reshape, "permute": _permute,
     "broadcast": _broadcast, "getitem": _getitem, "slice_scatter": _slice_scatter, "cat": _cat,
     "index_select": _index_select, "index_add": _index_add, "gather": _gather,
-    "scatter_add": _scatter_add, "rowwise": _rowwise, "rows": _rows,
+    "scatter_add": _scatter_add, "rowwise": _rowwise,
     "pointwise_stacked": _pointwise_stacked, "reduce": _reduce, "factory": _factory,
 }
 

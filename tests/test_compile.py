@@ -67,8 +67,9 @@ def test_compiled_forward_of_a_module():
     assert compiled.compiles == 2
 
 
-def train(cfg, steps, *, compiled, tp=1, dp=1, dropout=0.0, batch=8):
-    """Losses and whole parameters after ``steps`` AdamW steps, and the last step's collectives."""
+def train(cfg, steps, *, backend, tp=1, dp=1, dropout=0.0, batch=8):
+    """Losses and whole parameters after ``steps`` AdamW steps, the last step's collectives and
+    the step function; ``backend`` None runs eager, else dtensor.compile with that backend."""
     from dtensor.parallel import parallelize
 
     dtensor.manual_seed(0)
@@ -85,7 +86,7 @@ def train(cfg, steps, *, compiled, tp=1, dp=1, dropout=0.0, batch=8):
         opt.zero_grad()
         return loss
 
-    run = dtensor.compile(train_step) if compiled else train_step
+    run = train_step if backend is None else dtensor.compile(train_step, backend=backend)
     rng = np.random.default_rng(1)
     losses = []
     for _ in range(steps):
@@ -107,8 +108,8 @@ def test_compiled_train_step_one_process_standard_workload():
     """The whole standard-workload step (forward, loss, backward, AdamW, zero_grad), 5 steps,
     dropout on: losses and parameters as eager (1e-6 relative). Two graphs are compiled: the
     first step creates the optimizer state, the later ones update it."""
-    eager = train(STANDARD, 5, compiled=False, dropout=0.1)
-    comp = train(STANDARD, 5, compiled=True, dropout=0.1)
+    eager = train(STANDARD, 5, backend=None, dropout=0.1)
+    comp = train(STANDARD, 5, backend="numpy", dropout=0.1)
     _assert_same(comp, eager)
     assert comp[3].compiles == 2
     _assert_one_adamw_update(comp[3])
@@ -134,8 +135,8 @@ def test_compiled_parallel_train_step(tp, dp, rank):
     """The standard workload parallelized: compiled = eager after 5 steps, and the compiled step
     issues no more collectives (the same bytes; data parallelism's per-parameter gradient
     all-reduces merged into buckets)."""
-    eager = train(STANDARD, 5, compiled=False, tp=tp, dp=dp)
-    comp = train(STANDARD, 5, compiled=True, tp=tp, dp=dp)
+    eager = train(STANDARD, 5, backend=None, tp=tp, dp=dp)
+    comp = train(STANDARD, 5, backend="numpy", tp=tp, dp=dp)
     _assert_same(comp, eager)
     _assert_one_adamw_update(comp[3])
     e, c = eager[2], comp[2]

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_compile import SMALL, train
 
 import dtensor
 import dtensor.nn.functional as F
-from dtensor.nn import GPT, Block, GPTConfig
+from dtensor.nn import Block, GPTConfig
 from dtensor.ops import nn as nnops
 
-SMALL = dict(vocab_size=96, n_layer=2, n_embd=32, n_head=4, mlp_hidden=64, block_size=16,
-             bias=False)
 
 
 def arr(*shape, seed=0):
@@ -115,33 +114,10 @@ def test_dropout_draws_the_same_bits():
 def two_gpt_steps(backend, tp=1):
     """Two AdamW steps of a small GPT (dropout on), eager (backend None) or compiled; returns
     losses, whole parameters, Triton kernel kinds and the last step's collectives."""
-    from dtensor.comm import count_collectives
-    from dtensor.parallel import parallelize
-
-    dtensor.manual_seed(0)
-    model = GPT(GPTConfig(**SMALL, dropout=0.1))
-    if tp > 1:
-        parallelize(model, dtensor.init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)))
-    opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def step(x, y):
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    f = step if backend is None else dtensor.compile(step, backend=backend)
-    rng = np.random.default_rng(0)
-    losses = []
-    for _ in range(2):
-        with count_collectives() as log:
-            losses.append(f(*(rng.integers(0, 96, (4, 16)) for _ in "xy")).item())
-    kinds = set() if backend is None else {n.name for n in f.last.graph.nodes
+    losses, params, log, run = train(SMALL, 2, backend=backend, tp=tp, dropout=0.1, batch=4)
+    kinds = set() if backend is None else {n.name for n in run.last.graph.nodes
                                            if n.kind == "triton"}
-    whole = [p.full_tensor().numpy() if tp > 1 else p.numpy().copy()
-             for p in model.parameters()]
-    return losses, whole, kinds, log.summary()
+    return losses, list(params.values()), kinds, log.summary()
 
 
 def test_adamw_update_and_a_gpt_step():

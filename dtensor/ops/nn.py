@@ -391,11 +391,11 @@ def _cross_entropy_abstract(x, target):
 softmax_cross_entropy = defop(
     "softmax_cross_entropy", impl=_softmax_cross_entropy_impl, abstract=_cross_entropy_abstract,
     vjp=lambda g, out, x, target: (softmax_cross_entropy_backward(g, x, target), None),
-    shard="rows", lower="rowwise:softmax_cross_entropy", nondiff=(1,))
+    shard="rowwise", lower="rowwise:softmax_cross_entropy", nondiff=(1,))
 
 softmax_cross_entropy_backward = defop(
     "softmax_cross_entropy_backward", impl=_softmax_cross_entropy_backward_impl,
-    abstract=lambda g, x, target: Aval(tuple(x.shape), x.dtype), shard="rows",
+    abstract=lambda g, x, target: Aval(tuple(x.shape), x.dtype), shard="rowwise",
     lower="rowwise:softmax_cross_entropy_backward", nondiff=(2,))
 
 # ---------------------------------------------------------------- AdamW update

@@ -116,7 +116,7 @@ def apply(op: Op, *args, **params):
     """Run ``op`` on ``args`` under the interpretation their types select, recording autograd."""
     interp = convert = None
     needs_grad = False
-    grad_on = autograd._state.enabled
+    grad_on = autograd._state.on
     eager = _EAGER
     mixed = False
     for a in args:

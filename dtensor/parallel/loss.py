@@ -13,9 +13,8 @@ Example (logits of shape (N, V) placed [Shard(1)]):
 """
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 
+from dtensor._flag import Flag
 from dtensor.dtensor import DTensor, distribute_tensor
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
@@ -24,22 +23,12 @@ from dtensor.placements import Partial, Replicate, Shard
 __all__ = ["loss_parallel", "loss_parallel_enabled", "vocab_parallel_nll"]
 
 
-class _State(threading.local):
-    on = False
+_state = Flag(False)
 
 
-_state = _State()
-
-
-@contextmanager
 def loss_parallel():
     """Make cross_entropy on class-sharded DTensor logits vocab-parallel inside the block."""
-    prev = _state.on
-    _state.on = True
-    try:
-        yield
-    finally:
-        _state.on = prev
+    return _state.set(True)
 
 
 def loss_parallel_enabled() -> bool:

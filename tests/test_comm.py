@@ -123,6 +123,46 @@ def test_nonblocking_overlap_and_order(comm, rank):
 
 
 @pytest.mark.ranks(2)
+def test_fresh_results_reuse_only_dropped_arrays(comm, rank):
+    # A result nobody holds any more is handed out again (no page faults on the next call); one
+    # that is still held, directly, through a view, or by a Work in flight, never is.
+    x = [data(r, (64, 64), "float32") for r in range(2)]
+    want = x[0] + x[1]
+    first = comm.all_reduce(x[rank])
+    address = first.ctypes.data
+    del first
+    again = comm.all_reduce(x[rank])
+    assert again.ctypes.data == address
+    view = again[3:]
+    del again
+    work = comm.all_reduce(2 * x[rank], async_op=True)
+    kept = comm.all_reduce(3 * x[rank])
+    scattered = comm.reduce_scatter(x[rank])
+    gathered = comm.all_gather(x[rank])
+    addresses = {a.ctypes.data for a in (view.base, kept, scattered, gathered)}
+    assert len(addresses) == 4
+    np.testing.assert_array_equal(view, want[3:])
+    np.testing.assert_array_equal(kept, 3 * want)
+    np.testing.assert_array_equal(work.wait(), 2 * want)
+    np.testing.assert_array_equal(scattered, want[32 * rank:32 * (rank + 1)])
+    np.testing.assert_array_equal(gathered, np.concatenate(x))
+
+
+def test_result_cache_keeps_a_bounded_number_of_idle_bytes():
+    from dtensor.comm import _Results
+    cache = _Results()
+    cache._BYTES = 3 * 800
+    in_use = cache.take((100,), np.dtype("float64"))
+    for n in range(101, 111):  # ten results of other shapes, each dropped at once
+        cache.take((n,), np.dtype("float64"))
+    cached = [a for held in cache._held.values() for a in held]
+    idle = sum(a.nbytes for a in cached if a is not in_use)
+    assert any(a is in_use for a in cached)  # still handed out: kept, not counted
+    assert idle <= 3 * 800 + 8 * 110  # the bound, plus the latest result (idle only since)
+    assert cache.take((110,), np.dtype("float64")).shape == (110,)  # the newest survived
+
+
+@pytest.mark.ranks(2)
 def test_bad_input_is_a_clear_error_on_every_rank(comm, rank):
     with pytest.raises(ValueError, match="unknown reduce op 'prod'"):
         comm.all_reduce(np.ones(2), op="prod")

@@ -9,11 +9,13 @@ every rank times the reference at once and the rates are summed: the machine's G
 dtlaunch the model goes through dtensor.parallel.parallelize on a (dp, tp) mesh, and the line
 also gives the collectives per step (count and bytes by kind, from the debug counter) next to
 Megatron-LM's figures for the same layout (``megatron_bytes``, ``bytes_ratio``). With --compile
-the step runs through dtensor.compile (``compile_s``: tracing, passes and codegen, summed over
-its graphs).
+the step runs through dtensor.compile (``--backend``: numpy, c or triton; ``compile_s``:
+tracing, passes, codegen and the C compiler's run if its library was not cached, summed over
+its graphs), and an eager twin of the model steps after each compiled step: ``speedup_vs_eager``
+is the median over steps of eager / compiled time.
 
     python benchmarks/gpt_step.py                                  # standard workload
-    python benchmarks/gpt_step.py --compile
+    python benchmarks/gpt_step.py --compile [--backend c]
     dtlaunch --nproc 2 benchmarks/gpt_step.py --tp 2
     dtlaunch --nproc 4 benchmarks/gpt_step.py --tp 2 --dp 2 --sp [--fsdp]
 """
@@ -99,39 +101,53 @@ def main() -> None:
     ap.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
     ap.add_argument("--fsdp", action="store_true", help="shard parameters over dp (with --dp)")
     ap.add_argument("--compile", action="store_true", help="run the step through dtensor.compile")
+    ap.add_argument("--backend", default="numpy", choices=("numpy", "c", "triton"),
+                    help="dtensor.compile's code generator (with --compile)")
     args = ap.parse_args()
 
     cfg = dtensor.nn.GPTConfig(vocab_size=4096, n_layer=4, n_embd=256, n_head=8, mlp_hidden=1024,
                                block_size=args.seq, bias=False, dropout=0.0)
-    dtensor.manual_seed(0)
-    model = dtensor.nn.GPT(cfg)
     world = args.tp * args.dp
     mesh, rank = None, 0
     if world > 1:
-        from dtensor.parallel import parallelize
         mesh = dtensor.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
         rank = mesh.get_rank()
-        parallelize(model, mesh, sequence_parallel=args.sp, fsdp=args.fsdp)
-    opt = dtensor.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8,
-                              weight_decay=0.01)
+
+    def build():
+        """A model (seed 0, parallelized on the mesh), its optimizer and its train step."""
+        dtensor.manual_seed(0)
+        model = dtensor.nn.GPT(cfg)
+        if world > 1:
+            from dtensor.parallel import parallelize
+            parallelize(model, mesh, sequence_parallel=args.sp, fsdp=args.fsdp)
+        opt = dtensor.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.999), eps=1e-8,
+                                  weight_decay=0.01)
+
+        def train_step(x, y):
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        return model, train_step
+
     rng = np.random.default_rng(0)
     idx = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
     targets = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
-
-    def train_step(x, y):
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    run = dtensor.compile(train_step) if args.compile else train_step
+    model, train_step = build()
+    run = dtensor.compile(train_step, backend=args.backend) if args.compile else train_step
+    # Compiled: an eager twin (same seed, same layout) steps between the compiled steps, so
+    # the speedup is a ratio of neighbouring steps, drift on this machine hitting both alike.
+    twin = build()[1] if args.compile else None
 
     def step() -> float:
         return run(idx, targets).item()
 
     for _ in range(args.warmup):
         step()
+        if twin:
+            twin(idx, targets).item()
     from dtensor.comm import count_collectives
     # The machine's speed drifts (shared, noisy): the reference GEMM is timed between the steps,
     # and each step is compared with the faster of the references just before and after it.
@@ -141,7 +157,7 @@ def main() -> None:
             get_world().barrier()
         return numpy_matmul_gflops(reps=1)
 
-    times, logs, refs = [], [], [reference()]
+    times, logs, refs, eager = [], [], [reference()], []
     for _ in range(args.steps):
         t = time.perf_counter()
         with count_collectives() as log:
@@ -149,6 +165,10 @@ def main() -> None:
         times.append(time.perf_counter() - t)
         logs.append(log.summary())
         refs.append(reference())
+        if twin:
+            t = time.perf_counter()
+            twin(idx, targets).item()
+            eager.append(time.perf_counter() - t)
     if world > 1:  # the machine's GEMM rate: the sum over the ranks
         from dtensor.comm import get_world
         refs = get_world().all_reduce(np.array(refs)).tolist()
@@ -159,7 +179,8 @@ def main() -> None:
     ratio = statistics.median(flops / t / 1e9 / max(refs[i], refs[i + 1])
                               for i, t in enumerate(times))
     record = {
-        "bench": "gpt_step", "mode": "compiled" if args.compile else "eager", "ranks": world,
+        "bench": "gpt_step", "mode": "compiled" if args.compile else "eager",
+        "backend": args.backend if args.compile else None, "ranks": world,
         "tp": args.tp, "dp": args.dp, "sp": args.sp, "fsdp": args.fsdp,
         "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
         "step_s_median": round(med, 4), "step_s_min": round(min(times), 4),
@@ -172,6 +193,9 @@ def main() -> None:
         # optimizer state, so it has a graph of its own)
         "compile_s": round(sum(e.compile_s for e in run._cache.values()), 3)
         if args.compile else None,
+        "eager_step_s_median": round(statistics.median(eager), 4) if twin else None,
+        "speedup_vs_eager": round(statistics.median(e / c for e, c in zip(eager, times)), 3)
+        if twin else None,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "python": sys.version.split()[0], "numpy": np.__version__,
     }

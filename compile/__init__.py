@@ -2,7 +2,7 @@
 run passes over it and generate code (see compile/api.py).
 
 The module itself is callable, as torch.compile: ``dtensor.compile(fn)`` or ``@dtensor.compile``.
-Submodules: graph (IR), trace, passes, numpy_backend, triton_backend, triton_adapter.
+Submodules: graph (IR), trace, passes, numpy_backend, c_backend, triton_backend, triton_adapter.
 """
 import importlib
 import sys

@@ -7,7 +7,7 @@ eager updates them. The pipeline (DTENSOR_DEBUG=2 prints the graph after each st
 generated code, on rank 0):
 
     trace (compile/trace.py) -> dce -> cse -> bucket_all_reduces -> fuse_pointwise -> fuse_adamw
-    -> plan_memory -> numpy codegen
+    -> [C or Triton kernels for fused groups and row-wise ops] -> plan_memory -> numpy codegen
 
 Example:
     >>> @dtensor.compile
@@ -36,6 +36,7 @@ PASSES = (("dce", passes.dce), ("cse", passes.cse),
           ("fuse_pointwise", passes.fuse_pointwise), ("fuse_adamw", passes.fuse_adamw),
           ("plan_memory", passes.plan_memory))
 RECOMPILE_WARN = 4  # warn when one function has compiled this many times
+BACKENDS = ("numpy", "c", "triton")
 
 
 def _debug_level() -> int:
@@ -427,6 +428,12 @@ class Compiled:
                     for node, k in kernels:
                         print(f"[dtensor.compile] triton kernel for %{node.id} {node.name} "
                               f"{node.note} ({k.path})\n{k.source}", flush=True)
+            if name == "plan_memory" and self.backend == "c":
+                from dtensor.compile import c_backend
+                kernels = c_backend.lower_graph(graph)
+                if _debug_level() >= 3 and _rank0():
+                    print("[dtensor.compile] C kernels: " + ", ".join(
+                        f"%{node.id} {node.name} ({k.name})" for node, k in kernels), flush=True)
             graph = p(graph)
             if debug:
                 print(f"[dtensor.compile] after {name}\n{graph}", flush=True)
@@ -444,10 +451,11 @@ def compile(fn=None, *, backend: str = "numpy"):
 
     Usable as ``dtensor.compile(fn)`` or as a decorator ``@dtensor.compile``.
     """
-    if backend not in ("numpy", "triton"):
-        raise ValueError(f"dtensor.compile: unknown backend {backend!r}; choose 'numpy' (the CPU "
-                         f"default) or 'triton' (generated Triton kernels; on CPU under the "
-                         f"Triton interpreter, for verification).")
+    if backend not in BACKENDS:
+        raise ValueError(f"dtensor.compile: unknown backend {backend!r}; choose 'numpy' (the "
+                         f"default: generated Python over numpy kernels), 'c' (generated C, "
+                         f"built with the system C compiler) or 'triton' (generated Triton "
+                         f"kernels; on CPU under the Triton interpreter, for verification).")
     if fn is None:
         return lambda f: Compiled(f, backend)
     if not callable(fn):

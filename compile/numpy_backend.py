@@ -64,7 +64,7 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
             fixed = {k: v for k, v in n.params.items() if not isinstance(v, Slot)}
         slots = {k: v for k, v in n.params.items() if isinstance(v, Slot)}
         args = [ref(a) for a in n.inputs]
-        if fixed and n.kind in ("op", "triton"):
+        if fixed and n.kind in ("op", "triton", "c"):
             args.append(f"**{const(fixed)}")
         args += [f"{k}=S[{v.index}]" + (f"[{v.name!r}]" if v.name != "key" else "")
                  for k, v in slots.items()]

@@ -1,0 +1,701 @@
+"""The C backend: the CPU counterpart of the Triton backend, as TorchInductor's C++ backend is
+the CPU counterpart of its Triton one.
+
+Every fused pointwise group and every row-wise op of a graph (softmax, layer-norm, softmax
+cross-entropy, their backwards, GELU, the AdamW group update) becomes a C function; one graph's
+functions are one C file, compiled once with the system C compiler (``$CC``, else ``cc``) into
+a shared library named by the hash of its source and flags, and called through ctypes. A
+kernel is one pass over its rows: the temporaries numpy materialises between ufuncs stay in
+registers, and the loops are SIMD-vectorised (``-O3 -march=native``; exp is a polynomial the
+compiler can vectorise, since libm's is a scalar call). ctypes releases the GIL, so a large
+kernel's rows are split over the threads of :func:`num_threads` and run in parallel.
+
+Results match numpy's to float rounding, not bit for bit: the same formulas in the same order
+(``-ffp-contract=off``: no fused multiply-adds numpy would not do), but exp, log and the
+reductions' summation order differ in the last bits. Matmuls, collectives, gathers and anything
+not listed stay numpy calls.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import queue
+import re
+import shutil
+import subprocess
+import threading
+
+import numpy as np
+
+from dtensor.compile.graph import Graph, Node
+
+__all__ = ["lower_graph", "num_threads", "CompilerNotFound"]
+
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+         "-fPIC", "-shared")
+
+_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double",
+          np.dtype(np.bool_): "uint8_t"}
+
+# Helpers for one floating type: T is the type, F the literal suffix, S the name suffix. Float
+# exp is Cephes' expf (< 2 ulp) written with selects so that loops calling it vectorise; the
+# others mirror dtensor/ops/nn.py formula for formula (same constants, same operation order).
+_HELPERS = r"""
+static inline T dt_exp_S(T x) {
+#if IS_FLOAT
+    float xc = x < -87.9f ? -87.9f : (x > 88.72283f ? 88.72283f : x);
+    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round(x / ln 2) */
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t ni = (int32_t)n, h = ni >> 1;  /* 2^n as two factors: n may be 128 */
+    union { int32_t i; float f; } s1, s2;
+    s1.i = (h + 127) << 23;
+    s2.i = (ni - h + 127) << 23;
+    float y = p * s1.f * s2.f;
+    y = x > 88.72283f ? INFINITY : y;  /* ln(FLT_MAX) = 88.722839 */
+    y = x < -87.9f ? 0.0f : y;
+    return x != x ? x : y;
+#else
+    return (exp)(x);
+#endif
+}
+
+static inline T dt_log_S(T x) { return IS_FLOAT ? (logf)(x) : (log)(x); }
+static inline T dt_sqrt_S(T x) { return IS_FLOAT ? (sqrtf)(x) : (sqrt)(x); }
+static inline T dt_tanh_S(T x) { return IS_FLOAT ? (tanhf)(x) : (tanh)(x); }
+static inline T dt_pow_S(T x, T y) { return IS_FLOAT ? (powf)(x, y) : (pow)(x, y); }
+
+static inline T dt_erf_S(T x) {  /* erf_block: Numerical Recipes' erfc */
+    T z = x < 0 ? -x : x;
+    T t = 1.0F / (z * 0.5F + 1.0F);
+    T p = t * 0.17087277F;
+    p += -0.82215223F; p *= t; p += 1.48851587F; p *= t; p += -1.13520398F; p *= t;
+    p += 0.27886807F; p *= t; p += -0.18628806F; p *= t; p += 0.09678418F; p *= t;
+    p += 0.37409196F; p *= t; p += 1.00002368F; p *= t;
+    p += -1.26551223F;
+    p -= z * z;
+    T e = dt_exp_S(p) * t;
+    T r = 1.0F - e;
+    return x < 0 ? -r : r;
+}
+
+static inline T dt_phi_S(T x, T *pdf) {  /* _phi_and_pdf: Phi(x) and exp(-x^2/2) */
+    T z = (x < 0 ? -x : x) * 0.7071067811865476F;
+    T t = 1.0F / (z * 0.3275911F + 1.0F);
+    T p = t * 1.061405429F;
+    p += -1.453152027F; p *= t; p += 1.421413741F; p *= t; p += -0.284496736F; p *= t;
+    p += 0.254829592F; p *= t;
+    T e = dt_exp_S(-(z * z));
+    *pdf = e;
+    p *= e;
+    p *= -0.5F;
+    p += 0.5F;
+    return (x < 0 ? -p : p) + 0.5F;
+}
+
+static inline T dt_gelu_none_S(T x) { T e; return dt_phi_S(x, &e) * x; }
+
+static inline T dt_gelu_tanh_S(T x) {
+    T u = x * x * 0.044715F + 1.0F;
+    u = u * x * 0.7978845608028654F;
+    return (dt_tanh_S(u) + 1.0F) * x * 0.5F;
+}
+
+static inline T dt_gelu_none_grad_S(T g, T x, T y) {
+    T ax = x < 0 ? -x : x;
+    T phi = ax < NEAR_ZERO ? x * 0.3989422804014327F + 0.5F : y / x;
+    T e = x * x * -0.5F;
+    e = dt_exp_S(e) * 0.3989422804014327F * x;
+    return (phi + e) * g;
+}
+
+static inline T dt_gelu_tanh_grad_S(T g, T x, T y) {
+    T x2 = x * x;
+    T u = (x2 * 0.044715F + 1.0F) * x * 0.7978845608028654F;
+    T th = dt_tanh_S(u);
+    T du = (x2 * (3.0F * 0.044715F) + 1.0F) * 0.7978845608028654F;
+    du = du * (1.0F - th * th) * x;
+    return ((th + 1.0F) + du) * 0.5F * g;
+}
+
+/* Row reductions in 8 independent lanes, so the compiler vectorises them without
+   reassociating anything itself (numpy's sums are lane-split too). */
+static inline T dt_sum_S(const T *a, int64_t n) {
+    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[j + k];
+    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < n; j++) s += a[j];
+    return s;
+}
+
+static inline T dt_dot_S(const T *a, const T *b, int64_t n) {
+    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[j + k] * b[j + k];
+    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+static inline T dt_max_S(const T *a, int64_t n) {
+    T acc[8];
+    for (int k = 0; k < 8; k++) acc[k] = -INFINITY;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int k = 0; k < 8; k++) acc[k] = a[j + k] > acc[k] ? a[j + k] : acc[k];
+    T m = -INFINITY;
+    for (int k = 0; k < 8; k++) m = acc[k] > m ? acc[k] : m;
+    for (; j < n; j++) m = a[j] > m ? a[j] : m;
+    return m;
+}
+
+/* ---- row-wise ops over the last dim (C columns), rows r0..r1 */
+
+void softmax_S(const T *x, T *out, int64_t r0, int64_t r1, int64_t C, int64_t L, int causal) {
+    for (int64_t r = r0; r < r1; r++) {
+        const T *a = x + r * C;
+        T *o = out + r * C;
+        int64_t n = C;
+        if (causal) n = r % L + 1 < C ? r % L + 1 : C;  /* entry (i, j) iff j <= i */
+        T m = dt_max_S(a, n);
+        for (int64_t j = 0; j < n; j++) o[j] = dt_exp_S(a[j] - m);
+        T s = dt_sum_S(o, n);
+        for (int64_t j = 0; j < n; j++) o[j] /= s;
+        for (int64_t j = n; j < C; j++) o[j] = 0;
+    }
+}
+
+void softmax_backward_S(const T *g, const T *y, T *out, int64_t r0, int64_t r1, int64_t C) {
+    for (int64_t r = r0; r < r1; r++) {
+        const T *gr = g + r * C, *yr = y + r * C;
+        T *o = out + r * C;
+        T s = dt_dot_S(gr, yr, C);
+        for (int64_t j = 0; j < C; j++) o[j] = (gr[j] - s) * yr[j];
+    }
+}
+
+void log_softmax_S(const T *x, T *out, int64_t r0, int64_t r1, int64_t C) {
+    for (int64_t r = r0; r < r1; r++) {
+        const T *a = x + r * C;
+        T *o = out + r * C;
+        T m = dt_max_S(a, C);
+        for (int64_t j = 0; j < C; j++) o[j] = dt_exp_S(a[j] - m);
+        T lse = dt_log_S(dt_sum_S(o, C));
+        for (int64_t j = 0; j < C; j++) o[j] = (a[j] - m) - lse;
+    }
+}
+
+void log_softmax_backward_S(const T *g, const T *lp, T *out, int64_t r0, int64_t r1,
+                            int64_t C) {
+    for (int64_t r = r0; r < r1; r++) {
+        const T *gr = g + r * C, *l = lp + r * C;
+        T *o = out + r * C;
+        T s = dt_sum_S(gr, C);
+        for (int64_t j = 0; j < C; j++) o[j] = gr[j] - dt_exp_S(l[j]) * s;
+    }
+}
+
+static inline T dt_rstd_S(const T *a, int64_t C, T mean, T eps) {
+    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= C; j += 8)
+        for (int k = 0; k < 8; k++) { T d = a[j + k] - mean; acc[k] += d * d; }
+    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < C; j++) { T d = a[j] - mean; s += d * d; }
+    return 1.0F / dt_sqrt_S(s / (T)C + eps);
+}
+
+void normalize_S(const T *x, T *out, int64_t r0, int64_t r1, int64_t C, double eps) {
+    for (int64_t r = r0; r < r1; r++) {
+        const T *a = x + r * C;
+        T *o = out + r * C;
+        T mean = dt_sum_S(a, C) / (T)C;
+        T rstd = dt_rstd_S(a, C, mean, (T)eps);
+        for (int64_t j = 0; j < C; j++) o[j] = (a[j] - mean) * rstd;
+    }
+}
+
+void normalize_backward_S(const T *g, const T *x, T *out, int64_t r0, int64_t r1, int64_t C,
+                          double eps) {
+    for (int64_t r = r0; r < r1; r++) {
+        const T *a = x + r * C, *gr = g + r * C;
+        T *o = out + r * C;
+        T mean = dt_sum_S(a, C) / (T)C;
+        T rstd = dt_rstd_S(a, C, mean, (T)eps);
+        T gm = dt_sum_S(gr, C) / (T)C;
+        T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t j = 0;
+        for (; j + 8 <= C; j += 8)
+            for (int k = 0; k < 8; k++) acc[k] += gr[j + k] * ((a[j + k] - mean) * rstd);
+        T gx = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (; j < C; j++) gx += gr[j] * ((a[j] - mean) * rstd);
+        gx /= (T)C;
+        for (int64_t j = 0; j < C; j++)
+            o[j] = ((gr[j] - gm) - ((a[j] - mean) * rstd) * gx) * rstd;
+    }
+}
+
+/* softmax cross-entropy: out[r] = logsumexp(x[r]) - x[r, t[r]]; the backward
+   g[r] * (softmax(x[r]) - onehot(t[r])). */
+void cross_entropy_S(const T *x, const int64_t *t, T *out, int64_t r0, int64_t r1, int64_t C,
+                     T *scratch) {
+    for (int64_t r = r0; r < r1; r++) {
+        const T *a = x + r * C;
+        T m = dt_max_S(a, C);
+        for (int64_t j = 0; j < C; j++) scratch[j] = dt_exp_S(a[j] - m);
+        out[r] = (dt_log_S(dt_sum_S(scratch, C)) + m) - a[t[r]];
+    }
+}
+
+void cross_entropy_backward_S(const T *g, const T *x, const int64_t *t, T *out, int64_t r0,
+                              int64_t r1, int64_t C) {
+    for (int64_t r = r0; r < r1; r++) {
+        const T *a = x + r * C;
+        T *o = out + r * C;
+        T m = dt_max_S(a, C);
+        for (int64_t j = 0; j < C; j++) o[j] = dt_exp_S(a[j] - m);
+        T k = g[r] / dt_sum_S(o, C);
+        for (int64_t j = 0; j < C; j++) o[j] *= k;
+        o[t[r]] -= g[r];
+    }
+}
+
+/* The AdamW update of parameters q0..q1 (addresses in tab: p, g, m, v of each in turn) into
+   the rows of out (3, total); hp: 7 hyperparameters a parameter, numpy_backend's order. The
+   constants are rounded to T first, as numpy rounds a Python float against a T array. */
+void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offsets,
+                   const double *hp, T *out, int64_t total, int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; q++) {
+        const T *p = (const T *)tab[4 * q], *g = (const T *)tab[4 * q + 1];
+        const T *m = (const T *)tab[4 * q + 2], *v = (const T *)tab[4 * q + 3];
+        const double *h = hp + 7 * q;  /* lr, beta1, beta2, eps, weight_decay, bc1, bc2 */
+        T b1 = (T)h[1], c1 = (T)(1.0 - h[1]), b2 = (T)h[2], c2 = (T)(1.0 - h[2]);
+        T eps = (T)h[3], rs = (T)(1.0 / (sqrt)(h[6])), step = (T)(h[0] / h[5]);
+        T decay = (T)(1.0 - h[0] * h[4]);
+        T *po = out + offsets[q], *mo = po + total, *vo = po + 2 * total;
+        for (int64_t i = 0; i < sizes[q]; i++) {
+            T mi = m[i] * b1 + g[i] * c1;
+            T vi = v[i] * b2 + (g[i] * g[i]) * c2;
+            T den = dt_sqrt_S(vi) * rs + eps;
+            mo[i] = mi;
+            vo[i] = vi;
+            po[i] = p[i] * decay - (mi / den) * step;
+        }
+    }
+}
+"""
+
+_TYPE_DEFS = {"float": ("f32", "1", "1e-4f"), "double": ("f64", "0", "1e-6")}
+
+
+def _helpers(ctype: str) -> str:
+    """_HELPERS for one floating type: T the type, _S( the name suffix, a literal's F suffix
+    (float literals stay float: numpy rounds a Python float to the array's type)."""
+    suffix, is_float, near = _TYPE_DEFS[ctype]
+    text = re.sub(r"\bT\b", ctype, _HELPERS).replace("_S(", f"_{suffix}(")
+    text = text.replace("IS_FLOAT", is_float).replace("NEAR_ZERO", near)
+    return re.sub(r"(\d)F\b", r"\1f" if ctype == "float" else r"\1", text)
+
+
+PRELUDE = ("#include <math.h>\n#include <stdint.h>\n\n" + _helpers("float") + _helpers("double")
+           + r"""
+/* Names the ops' ``lower`` templates use (dtensor/ops/*.py), by argument type. */
+#define DT_GENERIC(name, x) _Generic((x), float: dt_##name##_f32, default: dt_##name##_f64)
+#define exp(x) DT_GENERIC(exp, x)(x)
+#define log(x) DT_GENERIC(log, x)(x)
+#define sqrt(x) DT_GENERIC(sqrt, x)(x)
+#define tanh(x) DT_GENERIC(tanh, x)(x)
+#define erf(x) DT_GENERIC(erf, x)(x)
+#define pow(x, y) DT_GENERIC(pow, x)(x, y)
+#define gelu_none(x) DT_GENERIC(gelu_none, x)(x)
+#define gelu_tanh(x) DT_GENERIC(gelu_tanh, x)(x)
+#define gelu_none_grad(g, x, y) DT_GENERIC(gelu_none_grad, x)(g, x, y)
+#define gelu_tanh_grad(g, x, y) DT_GENERIC(gelu_tanh_grad, x)(g, x, y)
+#define where(c, x, y) ((c) ? (x) : (y))
+#define maximum(x, y) ((x) != (x) || (x) > (y) ? (x) : (y))
+""")
+
+
+class CompilerNotFound(RuntimeError):
+    pass
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise CompilerNotFound(
+            "dtensor.compile(backend='c') needs a C compiler: none on PATH (cc, gcc) and $CC is "
+            "unset. Install one (Debian: apt-get install gcc) or use backend='numpy'.")
+    return cc
+
+
+def _cpu() -> str:
+    """What -march=native depends on: a library built here must not load on another CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def build(source: str) -> ctypes.CDLL:
+    """Compile ``source`` to a shared library in the compile cache (named by the hash of the
+    source, compiler, flags and CPU) unless it is there, and load it."""
+    from dtensor.compile.numpy_backend import _cache_dir
+    cc = _compiler()
+    key = "\n".join([source, cc, " ".join(FLAGS), _cpu(), platform.machine()])
+    path = os.path.join(_cache_dir(), f"dtc_c_{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    lib = path + ".so"
+    if not os.path.exists(lib):
+        with open(path + ".c", "w") as f:
+            f.write(source)
+        tmp = f"{lib}.{os.getpid()}.tmp"
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, path + ".c", "-lm"], capture_output=True,
+                              text=True)
+        if done.returncode:
+            raise RuntimeError(f"dtensor.compile(backend='c'): {cc} failed on {path}.c:\n"
+                               f"{done.stderr[-4000:]}")
+        os.replace(tmp, lib)  # atomic: ranks building the same library do not collide
+    return ctypes.CDLL(lib)
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def num_threads() -> int:
+    """Threads a kernel's rows are split over: DTENSOR_NUM_THREADS, else the BLAS / OpenMP
+    thread count the environment sets (dtlaunch sets it to cores / local ranks), else the
+    cores this process may use."""
+    for var in ("DTENSOR_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
+            return int(os.environ[var])
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# Splitting pays once a kernel runs for well over the ~0.1 ms it takes to wake a waiting
+# thread: at ~1 ns an element, from 2^18 elements on.
+_SPLIT_ELEMENTS = 1 << 18
+
+
+class _Pool:
+    """Workers for a kernel's row ranges; the caller runs the first range itself."""
+
+    def __init__(self, n: int):
+        self.inbox = [queue.SimpleQueue() for _ in range(n - 1)]
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        for i, q in enumerate(self.inbox):
+            threading.Thread(target=self._work, args=(q,), daemon=True,
+                             name=f"dtensor-c-{i}").start()
+
+    def _work(self, inbox) -> None:
+        while True:
+            fn, args = inbox.get()
+            try:
+                fn(*args)
+                self.done.put(None)
+            except BaseException as e:  # re-raised by the caller
+                self.done.put(e)
+
+    def run(self, fn, calls: list) -> None:
+        """fn(*args) for every args in ``calls``, at once."""
+        for q, args in zip(self.inbox, calls[1:]):
+            q.put((fn, args))
+        error = None
+        try:
+            fn(*calls[0])
+        finally:  # always collect the workers: they write into the caller's arrays
+            for _ in calls[1:]:
+                error = self.done.get() or error
+        if error is not None:
+            raise error
+
+
+_pools: dict = {}
+
+
+def _parallel(fn, calls: list) -> None:
+    if len(calls) == 1:
+        fn(*calls[0])
+        return
+    pool = _pools.get(len(calls))
+    if pool is None:
+        pool = _pools[len(calls)] = _Pool(len(calls))
+    pool.run(fn, calls)
+
+
+def _cuts(rows: int, work: int) -> list:
+    """Row ranges, one a thread, when ``work`` (elements touched) is worth splitting."""
+    n = min(num_threads(), rows) if work >= _SPLIT_ELEMENTS else 1
+    cuts = [rows * k // n for k in range(n + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _run_rows(fn, head: tuple, rows: int, work: int, tail: tuple = ()) -> None:
+    """fn(*head, r0, r1, *tail) over rows [0, rows), split over threads if worth it."""
+    _parallel(fn, [head + r + tail for r in _cuts(rows, work)])
+
+
+# ----------------------------------------------------------------------------- kernels
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _c_literal(v, single: bool) -> str:
+    if isinstance(v, (bool, np.bool_)):
+        return "1" if v else "0"
+    if isinstance(v, (int, np.integer)):
+        return f"{int(v)}"
+    v = float(v)
+    if not np.isfinite(v):
+        return "NAN" if np.isnan(v) else ("INFINITY" if v > 0 else "(-INFINITY)")
+    return repr(v) + ("f" if single else "")
+
+
+class _Pointwise:
+    """A fused pointwise group (or one pointwise op): rows of the output's last dim, each input
+    read through its broadcast strides (a bias: the same row; a (..., 1) column: one value)."""
+
+    accepts_out = True
+
+    def __init__(self, name: str, ops, shape, dtype, in_shapes, in_dtypes, label: str):
+        self.name, self.shape, self.dtype = name, tuple(shape), np.dtype(dtype)
+        self.C = self.shape[-1] if self.shape else 1
+        self.R = int(np.prod(self.shape[:-1])) if self.shape else 1
+        lead = self.shape[:-1]
+        ctype = _CTYPE[self.dtype]
+        single = self.dtype == np.float32
+        params = [f"const {_CTYPE[np.dtype(dt)]} *restrict in{k}" for k, dt in
+                  enumerate(in_dtypes)]
+        lines = [f"/* {label} */",
+                 f"void {name}({', '.join(params + [f'{ctype} *restrict out'])}, "
+                 "int64_t r0, int64_t r1) {",
+                 "    for (int64_t r = r0; r < r1; r++) {"]
+        loads = []
+        for k, (s, dt) in enumerate(zip(in_shapes, in_dtypes)):
+            st = [x // np.dtype(dt).itemsize for x in
+                  np.broadcast_to(np.empty(s, dt), self.shape).strides] if self.shape else []
+            row, inner = [], 1
+            for d in reversed(range(len(lead))):
+                if st[d]:
+                    row.append(f"((r / {inner}) % {lead[d]}) * {st[d]}")
+                inner *= lead[d]
+            lines.append(f"        const {_CTYPE[np.dtype(dt)]} *p{k} = in{k} + "
+                         f"({' + '.join(row) or '0'});")
+            col = st[-1] if st else 0
+            loads.append(f"p{k}[c * {col}]" if col else f"p{k}[0]")
+        lines += [f"        {ctype} *o = out + r * {self.C};",
+                  f"        for (int64_t c = 0; c < {self.C}; c++) {{"]
+        lines += [f"            {_CTYPE[np.dtype(dt)]} a{k} = {ld};"
+                  for k, (ld, dt) in enumerate(zip(loads, in_dtypes))]
+        for j, (op_name, op, refs, p) in enumerate(ops):
+            args = [f"a{r}" if kind == "in" else f"t{r}" if kind == "op" else
+                    _c_literal(r, single) for kind, r in refs]
+            expr = ("(!" + args[0] + ")" if op_name == "logical_not" else
+                    op.lower.format(*args, **p))
+            lines.append(f"            __auto_type t{j} = {expr};")
+        lines += [f"            o[c] = ({ctype})(t{len(ops) - 1});", "        }", "    }", "}"]
+        self.source = "\n".join(lines) + "\n"
+        self.argtypes = [_P] * (len(in_shapes) + 1) + [_I, _I]
+
+    def __call__(self, *inputs, out=None):
+        arrays = [np.ascontiguousarray(x) for x in inputs if isinstance(x, np.ndarray)]
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.R,
+                  self.R * self.C * (len(arrays) + 1))
+        return out
+
+
+class _Rowwise:
+    """softmax / log_softmax / normalize and their backwards: whole rows of the last dim."""
+
+    accepts_out = True
+
+    def __init__(self, name: str, params: dict, shape, dtype):
+        self.op, self.shape, self.dtype = name, tuple(shape), np.dtype(dtype)
+        self.name = f"{name}_{_TYPE_DEFS[_CTYPE[self.dtype]][0]}"
+        self.C = self.shape[-1]
+        self.R = int(np.prod(self.shape[:-1]))
+        self.source = ""
+        n_in = 2 if name.endswith("_backward") else 1
+        if name == "softmax":
+            L = self.shape[-2] if len(self.shape) > 1 else 1
+            self.tail = (self.C, L, int(bool(params.get("causal", False))))
+            self.argtypes = [_P] * 2 + [_I] * 4 + [ctypes.c_int]
+        elif name.startswith("normalize"):
+            self.tail = (self.C, float(params["eps"]))
+            self.argtypes = [_P] * (n_in + 1) + [_I] * 3 + [ctypes.c_double]
+        else:
+            self.tail = (self.C,)
+            self.argtypes = [_P] * (n_in + 1) + [_I] * 3
+
+    def __call__(self, *inputs, out=None):
+        arrays = [np.ascontiguousarray(np.broadcast_to(x, self.shape)) for x in inputs]
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        if self.R and self.C:
+            _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.R,
+                      self.R * self.C * (len(arrays) + 1), self.tail)
+        return out
+
+
+class _CrossEntropy:
+    """softmax_cross_entropy (x, target) and its backward (g, x, target)."""
+
+    accepts_out = True
+
+    def __init__(self, name: str, shape, dtype, classes: int):
+        self.backward = name.endswith("_backward")
+        self.shape, self.dtype, self.C = tuple(shape), np.dtype(dtype), classes
+        suffix = _TYPE_DEFS[_CTYPE[self.dtype]][0]
+        self.name = f"cross_entropy{'_backward' if self.backward else ''}_{suffix}"
+        self.source = ""
+        self.argtypes = ([_P] * 4 + [_I] * 3 if self.backward else
+                         [_P] * 3 + [_I] * 3 + [_P])
+
+    def __call__(self, *inputs, out=None):
+        from dtensor.ops.nn import _rows
+        g, x, t = inputs if self.backward else (None, *inputs)
+        xs, ts = _rows(x, t)  # raises for a target outside [0, classes)
+        ts = np.ascontiguousarray(ts, dtype=np.int64)
+        R = xs.shape[0]
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        if not (R and self.C):
+            return out
+        if self.backward:
+            gs = np.ascontiguousarray(np.broadcast_to(g, ts.shape), dtype=self.dtype)
+            _run_rows(self.fn, (_ptr(gs), _ptr(xs), _ptr(ts), _ptr(out)), R, 2 * R * self.C,
+                      (self.C,))
+        else:  # a row of scratch per thread for the exponentials
+            ranges = _cuts(R, R * self.C)
+            scratch = np.empty((len(ranges), self.C), self.dtype)
+            _parallel(self.fn, [(_ptr(xs), _ptr(ts), _ptr(out), lo, hi, self.C, _ptr(s))
+                                for (lo, hi), s in zip(ranges, scratch)])
+        return out
+
+
+class _AdamWGroup:
+    """adamw_group (compile/passes/fusion.py): every parameter's update in one call, the
+    parameters split over threads by size."""
+
+    accepts_out = True
+
+    def __init__(self, sizes, dtype):
+        self.sizes = np.array(sizes, np.int64)
+        self.total = int(self.sizes.sum())
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.dtype = np.dtype(dtype)
+        self.name = f"adamw_group_{_TYPE_DEFS[_CTYPE[self.dtype]][0]}"
+        self.source = ""
+        self.argtypes = [_P] * 5 + [_I] * 3
+        n = num_threads() if self.total >= _SPLIT_ELEMENTS else 1
+        cum = np.cumsum(self.sizes)  # cut where the running size passes k / n of the total
+        cuts = [0] + [int(np.searchsorted(cum, self.total * k / n)) + 1 for k in range(1, n)]
+        cuts = sorted(set(min(c, len(self.sizes)) for c in cuts + [len(self.sizes)]))
+        self.ranges = list(zip(cuts[:-1], cuts[1:]))
+
+    def __call__(self, *arrays, each=(), out=None, **hp):
+        from dtensor.compile.numpy_backend import ADAMW_HYPERPARAMETERS
+        arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the call
+        tab = np.array([_ptr(a) for a in arrays], np.int64)
+        hps = np.array([[hp[k] if k in hp else hp[f"{k}_{q}"] for k in ADAMW_HYPERPARAMETERS]
+                        for q in range(len(self.sizes))], np.float64)
+        out = np.empty((3, self.total), self.dtype) if out is None else out
+        head = (_ptr(tab), _ptr(self.sizes), _ptr(self.offsets), _ptr(hps), _ptr(out),
+                self.total)
+        _parallel(self.fn, [head + r for r in self.ranges])
+        return out
+
+
+_ROW_OPS = ("softmax", "softmax_backward", "log_softmax", "log_softmax_backward", "normalize",
+            "normalize_backward")
+
+
+def _pointwise_ok(ops, in_dtypes, dtype) -> bool:
+    """Groups of one floating dtype, bool allowed as a where() condition: C's integer division
+    and promotions differ from numpy's, so anything else stays numpy."""
+    if dtype not in (np.float32, np.float64):
+        return False
+    for k, dt in enumerate(in_dtypes):
+        if dt == dtype:
+            continue
+        if dt != np.bool_:
+            return False
+        for name, _, refs, _ in ops:
+            if ("in", k) in refs and (name != "where" or refs.index(("in", k)) != 0):
+                return False
+    return not any(name in ("cast", "rand", "randn", "logical_not") for name, *_ in ops)
+
+
+def _kernel_for(n: Node, name: str):
+    """A C kernel for node ``n`` and the params it is then called with, or None."""
+    from dtensor.compile.passes.fusion import pointwise_op
+    from dtensor.ops.registry import OPS
+    arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
+    if n.dtype not in (np.float32, np.float64) or not n.shape:
+        return None
+    if n.name == "fused" or pointwise_op(n) is not None:
+        ops = n.params["ops"] if n.name == "fused" else [
+            (n.name, OPS[n.name], [("in", next(k for k, b in enumerate(arrays) if a is b))
+                                   if isinstance(a, (Node, np.ndarray)) else ("const", a)
+                                   for a in n.inputs], dict(n.params))]
+        dtypes = [np.dtype(a.dtype) for a in arrays]
+        if n.name == "fused" and any(k.startswith("key") for k in n.params):
+            return None
+        if not _pointwise_ok(ops, dtypes, n.dtype):
+            return None
+        return _Pointwise(name, ops, n.shape, n.dtype, [a.shape for a in arrays], dtypes,
+                          f"{n.name} {n.note}".strip()), {}
+    if n.name == "adamw_group":
+        if all(a.dtype == n.dtype for a in arrays):
+            return _AdamWGroup(n.params["sizes"], n.dtype), {
+                k: v for k, v in n.params.items() if k != "sizes"}
+        return None
+    op = OPS.get(n.name)
+    if op is None or n.fn is not op.impl:
+        return None
+    if n.name in _ROW_OPS and all(a.dtype == n.dtype for a in arrays):
+        return _Rowwise(n.name, n.params, n.shape, n.dtype), {}
+    if n.name in ("softmax_cross_entropy", "softmax_cross_entropy_backward"):
+        x = n.inputs[1] if n.name.endswith("_backward") else n.inputs[0]  # (g, x, t) / (x, t)
+        if x.dtype != n.dtype:
+            return None
+        return _CrossEntropy(n.name, n.shape, n.dtype, x.shape[-1]), {}
+    return None
+
+
+def lower_graph(graph: Graph) -> list:
+    """Give every node a C kernel can run its kernel (``node.fn``, with the params it is called
+    with), all of the graph's kernels built as one library; returns [(node, kernel)]."""
+    found = []
+    for n in graph.nodes:
+        k = _kernel_for(n, f"k{n.id}")
+        if k is not None:
+            found.append((n, *k))
+    if not found:
+        return []
+    lib = build(PRELUDE + "\n" + "".join(k.source for _, k, _ in found))
+    for n, kernel, params in found:
+        kernel.fn = getattr(lib, kernel.name)
+        kernel.fn.argtypes = kernel.argtypes
+        kernel.fn.restype = None
+        kernel.lib = lib  # keeps the library loaded as long as the kernel lives
+        n.fn, n.params, n.kind = kernel, params, "c"
+    return [(n, k) for n, k, _ in found]

@@ -1,0 +1,137 @@
+"""The C backend's own numerics and mechanics: its exp against float64 numpy over the whole float
+range, GELU / softmax / layer-norm / cross-entropy in float32 and float64 against eager, the
+row split over threads, the library cache, and the errors. (Every kernel kind against eager and
+the numpy backend, and the GPT step: tests/test_backends.py.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dtensor
+import dtensor.nn.functional as F
+from dtensor.compile import c_backend
+from dtensor.ops import nn as nnops
+
+
+def compiled(f, *arrays, backend="c"):
+    """f through dtensor.compile(backend) on Tensors of ``arrays``; the outputs as numpy and
+    the graph's nodes run as C."""
+    run = dtensor.compile(f, backend=backend)
+    outs = run(*[dtensor.Tensor(a) for a in arrays])
+    return [o.numpy() for o in outs], [n for n in run.last.graph.nodes if n.kind == "c"]
+
+
+def test_exp_is_within_two_ulp_over_the_float_range():
+    x = np.concatenate([np.linspace(-110, 100, 200_003, dtype=np.float32),
+                        np.float32([0, -0.0, 1e-30, -1e-30, 88.7, 88.72, 89, -87.9, -88,
+                                    np.inf, -np.inf, np.nan])])
+    (got,), kernels = compiled(lambda t: (t.exp(),), x)
+    assert kernels
+    want = np.exp(x.astype(np.float64))
+    normal = (want > np.finfo(np.float32).tiny) & (want < np.finfo(np.float32).max)
+    rel = np.abs(got[normal] - want[normal]) / want[normal]
+    assert rel.max() < 2.5e-7, x[normal][np.argmax(rel)]
+    assert np.all(got[want >= np.finfo(np.float32).max] == np.inf)
+    assert np.all(got[(want <= np.finfo(np.float32).tiny) & ~np.isnan(x)] < 1e-37)
+    assert np.isnan(got[-1]) and got[-3] == np.inf and got[-2] == 0
+
+
+# atol: a float rounding of values of order 1 inside the formula (Phi near x = -2.3 is ~0.01)
+@pytest.mark.parametrize("dtype,rtol,atol", [(np.float32, 2e-6, 1e-7), (np.float64, 1e-12, 1e-15)])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_and_its_gradient(dtype, rtol, atol, approximate):
+    x = np.concatenate([np.linspace(-9, 9, 4001), [0.0, 1e-9, -1e-9, 1e-5]]).astype(dtype)
+    g = np.random.default_rng(0).standard_normal(x.shape).astype(dtype)
+
+    def f(t):
+        t.requires_grad = True
+        y = F.gelu(t, approximate=approximate)
+        (gx,) = dtensor.autograd.grad((y * dtensor.Tensor(g)).sum(), [t])
+        return y, gx
+
+    got, kernels = compiled(f, x)
+    want = [o.numpy() for o in f(dtensor.Tensor(x))]
+    assert {"gelu", "gelu_backward"} <= {n.name for n in kernels}
+    if approximate == "tanh":  # 1 + tanh u and 1 - tanh^2 u cancel for u << 0: an ulp of 1,
+        atol = 50 * np.finfo(dtype).eps  # times |x| du |g| (up to ~50 here)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float32, 1e-5), (np.float64, 1e-12)])
+@pytest.mark.parametrize("shape", [(3, 5, 8), (2, 8, 5), (4, 1, 1)])
+def test_row_ops_in_both_float_types(dtype, rtol, shape):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(shape) * 3).astype(dtype)
+    t = rng.integers(0, shape[-1], shape[:-1])
+
+    def f(a):
+        a.requires_grad = True
+        s = nnops.softmax(a, causal=True)
+        n = nnops.normalize(a, eps=1e-5)
+        ls = nnops.log_softmax(a)
+        ce = F.cross_entropy(a.reshape(-1, shape[-1]), t.reshape(-1))
+        total = (s * s).sum() + (n * n * n).sum() + (ls * s).sum() + ce
+        return (s, n, ls, ce) + dtensor.autograd.grad(total, [a])
+
+    got, kernels = compiled(f, x)
+    want = [o.numpy() for o in f(dtensor.Tensor(x))]
+    assert {"softmax", "softmax_backward", "normalize", "normalize_backward", "log_softmax",
+            "log_softmax_backward", "softmax_cross_entropy",
+            "softmax_cross_entropy_backward"} <= {n.name for n in kernels}
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol)
+
+
+def test_threads_split_rows_without_changing_a_bit(monkeypatch):
+    """A kernel's rows split over 1, 2 or 3 threads (ranges of unequal length): the same bits,
+    since every row is computed alone; the AdamW group splits by parameters."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((600, 700)).astype(np.float32)
+    t = rng.integers(0, 700, 600)
+
+    def f(a):
+        a.requires_grad = True
+        loss = F.cross_entropy(F.gelu(nnops.normalize(a, eps=1e-5)), t)
+        return (loss,) + dtensor.autograd.grad(loss, [a])
+
+    outs = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("DTENSOR_NUM_THREADS", threads)
+        assert c_backend.num_threads() == int(threads)
+        outs.append(compiled(f, x)[0])
+    for other in outs[1:]:
+        for a, b in zip(other, outs[0]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_cross_entropy_target_out_of_range_is_an_index_error():
+    x = np.zeros((4, 6), np.float32)
+    run = dtensor.compile(lambda a, t: (F.cross_entropy(a, t),), backend="c")
+    run(dtensor.Tensor(x), np.array([0, 1, 2, 5]))
+    with pytest.raises(IndexError, match="target 6 is out of range for 6 classes"):
+        run(dtensor.Tensor(x), np.array([0, 1, 2, 6]))
+
+
+def test_library_is_built_once_and_loaded_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("DTENSOR_COMPILE_CACHE", str(tmp_path))
+    source = c_backend.PRELUDE + "int dt_answer(void) { return 42; }\n"
+    assert c_backend.build(source).dt_answer() == 42
+    monkeypatch.setattr(c_backend.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt"))
+    assert c_backend.build(source).dt_answer() == 42
+    assert len(list(tmp_path.glob("dtc_c_*.so"))) == 1
+
+
+def test_compiler_errors_are_clear(monkeypatch, tmp_path):
+    monkeypatch.setenv("DTENSOR_COMPILE_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed on .*dtc_c_.*\\.c"):
+        c_backend.build("this is not C;\n")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(c_backend.shutil, "which", lambda name: None)
+    with pytest.raises(c_backend.CompilerNotFound, match="backend='numpy'"):
+        c_backend.build("int x;\n")
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError, match="'numpy'.*'c'.*'triton'"):
+        dtensor.compile(lambda x: x, backend="cuda")

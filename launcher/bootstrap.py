@@ -54,6 +54,15 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # outnumber its cores. The throttle (usleep(1) after 4096 idle polls) made no real difference.
 OVERSUBSCRIBED_CVARS = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 
+# After each multi-threaded GEMM, OpenBLAS's workers spin (sched_yield) for 2^28 cycles, ~0.1 s,
+# before they sleep: a core shared with them runs anything else at about half speed, e.g. the
+# C backend's kernels split over the BLAS threads' cores. 2^20 cycles (~0.3 ms) outlasts the gap
+# between back-to-back GEMMs. Measured on the 2-core machine (the standard GPT step, eager and
+# compiled with backend="c" interleaved in one process, medians of 10 steps, two runs each):
+# eager 0.440 / 0.477 s -> 0.443 / 0.435 s; compiled 0.341 / 0.375 s -> 0.313 / 0.309 s.
+# 2^4 made eager slower (0.51 / 0.49 s): its workers slept between GEMMs.
+BLAS_SPIN_VARS = {"OPENBLAS_THREAD_TIMEOUT": "20"}
+
 
 def available_cores() -> int:
     """Cores this process may run on (CPU affinity, so taskset/cgroup limits count)."""
@@ -65,7 +74,8 @@ def available_cores() -> int:
 
 def apply_rank_env(env: MutableMapping[str, str], local_ranks: int,
                    cores: int | None = None) -> dict[str, str]:
-    """Fill in per-rank defaults the user did not set: BLAS/OpenMP threads and MPICH yielding.
+    """Fill in per-rank defaults the user did not set: BLAS/OpenMP threads, how long idle BLAS
+    threads spin, and MPICH yielding.
 
     Must run before numpy (BLAS reads its thread count when it loads) and before MPI_Init
     (CVARs are read there). Every variable already present in ``env`` is left alone.
@@ -83,7 +93,10 @@ def apply_rank_env(env: MutableMapping[str, str], local_ranks: int,
         '1'
     """
     cores = available_cores() if cores is None else cores
-    added = {var: str(max(1, cores // max(1, local_ranks))) for var in THREAD_VARS}
+    threads = max(1, cores // max(1, local_ranks))
+    added = {var: str(threads) for var in THREAD_VARS}
+    if threads > 1:
+        added.update(BLAS_SPIN_VARS)
     if local_ranks > cores:
         added.update(OVERSUBSCRIBED_CVARS)
     added = {k: v for k, v in added.items() if k not in env}

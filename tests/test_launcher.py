@@ -213,7 +213,9 @@ def test_rank_env_policy() -> None:
     env = {"OMP_NUM_THREADS": "7"}
     added = apply_rank_env(env, local_ranks=2, cores=16)
     assert env["OMP_NUM_THREADS"] == "7" and added == {"OPENBLAS_NUM_THREADS": "8",
-                                                       "MKL_NUM_THREADS": "8"}
+                                                       "MKL_NUM_THREADS": "8",
+                                                       "OPENBLAS_THREAD_TIMEOUT": "20"}
+    assert "OPENBLAS_THREAD_TIMEOUT" not in apply_rank_env({}, local_ranks=2, cores=2)
 
 
 @pytest.mark.parametrize("opts, words", [

@@ -6,6 +6,7 @@ imported).
     dtlaunch --nproc 8 examples/train.py            # 2-D mesh: dp=4 x tp=2, the same loss curve
     dtlaunch --nproc 4 examples/train.py --tp 2 --dp 2 --sp --fsdp
     python examples/train.py --compile              # the whole step through dtensor.compile
+    python examples/train.py --compile --backend c  # ... with generated C kernels
     python examples/train.py --save-every 100       # sharded checkpoints in checkpoints/train
     dtlaunch --nproc 4 examples/train.py --resume checkpoints/train   # continue, any layout
     python examples/train.py --steps 100 --n-layer 2
@@ -61,6 +62,7 @@ class TrainConfig:
     sp: bool = False
     fsdp: bool = False
     compile: bool = False  # run the whole train step through dtensor.compile
+    backend: str = "numpy"  # dtensor.compile's code generator: numpy, c or triton
     log_every: int = 10
     save_every: int = 0  # > 0: a sharded checkpoint every this many steps
     save_dir: str = "checkpoints/train"
@@ -202,7 +204,7 @@ def main(argv=None) -> float:
         opt.zero_grad()
         return loss
 
-    step_fn = dtensor.compile(train_step) if cfg.compile else train_step
+    step_fn = dtensor.compile(train_step, backend=cfg.backend) if cfg.compile else train_step
     def state() -> dict:
         """Everything a resumed run needs to continue exactly: weights, optimizer, the
         counter-based RNG and the data order's RNG, the step."""

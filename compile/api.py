@@ -6,8 +6,7 @@ and optimizer state become graph inputs and outputs, updated in place after each
 eager updates them. The pipeline (DTENSOR_DEBUG=2 prints the graph after each step, =3 the
 generated code, on rank 0):
 
-    trace (compile/trace.py) -> dce -> cse -> bucket_all_reduces -> overlap_all_reduces
-    -> fuse_pointwise -> fuse_adamw
+    trace (compile/trace.py) -> dce -> cse -> bucket_all_reduces -> fuse_pointwise -> fuse_adamw
     -> [C or Triton kernels for fused groups and row-wise ops] -> plan_memory -> numpy codegen
 
 Example:
@@ -34,7 +33,6 @@ __all__ = ["compile", "Compiled", "TracingError"]
 
 PASSES = (("dce", passes.dce), ("cse", passes.cse),
           ("bucket_all_reduces", passes.bucket_all_reduces),
-          ("overlap_all_reduces", passes.overlap_all_reduces),
           ("fuse_pointwise", passes.fuse_pointwise), ("fuse_adamw", passes.fuse_adamw),
           ("plan_memory", passes.plan_memory))
 RECOMPILE_WARN = 4  # warn when one function has compiled this many times

@@ -179,9 +179,8 @@ def test_block_graph_holds_megatron_collectives(sp, rank):
     compiled = dtensor.compile(fwd_bwd)
     y = compiled(x)
     text = str(compiled.last.graph)
-    lines = text.splitlines()
-    comms = [line for line in lines if " redistribute " in line or " all_reduce_bucket " in line
-             or " all_reduce_start " in line]
+    comms = [line for line in text.splitlines() if " redistribute " in line
+             or " all_reduce_bucket " in line]
     kinds = ["all_gather" if "[S(1)] -> [R]" in c else "reduce_scatter" if "[P(sum)] -> [S(1)]"
              in c else "all_reduce" if "[P(sum)] -> [R]" in c else "bucket" if "bucket" in c
              else "other" for c in comms]
@@ -194,12 +193,6 @@ def test_block_graph_holds_megatron_collectives(sp, rank):
         assert "4 gradients" in comms[-1]
     else:
         assert kinds == ["all_reduce"] * 4, text
-        # Backward: the MLP input gradient's all-reduce starts right after its GEMM and is
-        # waited for after fc1's weight-gradient GEMM (overlap_all_reduces).
-        start = next(i for i, line in enumerate(lines) if " all_reduce_start " in line)
-        wait = next(i for i, line in enumerate(lines) if " wait " in line and
-                    lines[start].split()[0] in line.split())
-        assert any(" matmul " in line for line in lines[start + 1:wait]), text
     # The forward's all-reduces follow the row-parallel matmuls; values match eager.
     dtensor.manual_seed(0)
     np.testing.assert_allclose(full(y), full(block(x)), rtol=1e-6, atol=1e-6)

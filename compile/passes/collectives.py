@@ -1,7 +1,6 @@
 """Collective passes: merge independent small gradient all-reduces into buckets."""
 from __future__ import annotations
 
-import functools
 import operator
 
 import numpy as np
@@ -102,50 +101,3 @@ def bucket_all_reduces(graph: Graph) -> Graph:
                 nodes.append(n)
         graph.nodes = nodes
     return graph
-
-
-def overlap_all_reduces(graph: Graph) -> Graph:
-    """Start a blocking all-reduce (P(sum) -> R on one mesh dim) as soon as its input is ready,
-    non-blocking, and wait for it where it stood, when the nodes in between include a GEMM (a
-    backward's weight gradient, while the input gradient is reduced: Megatron's overlap). MPI
-    progresses a collective only inside MPI calls, so what this buys is not transfer overlap:
-    a rank that arrives first computes instead of waiting for the last one. A start never moves
-    above an earlier collective, so every rank issues them in the same order."""
-    from dtensor.compile.passes.memory import VIEW_OPS
-    pos = {n.id: i for i, n in enumerate(graph.nodes)}
-    at: dict[int, list[Node]] = {}  # node index -> nodes to put just before it
-    moved: set[int] = set()
-    last_comm = -1
-    for i, c in enumerate(graph.nodes):
-        if c.kind != "comm":
-            continue
-        m = _all_reduce_dim(c) if c.name == "redistribute" else None
-        # The input's chain of views (a reshape of the GEMM result) moves up with the start.
-        views, src = [], c.inputs[0] if c.inputs else None
-        while (isinstance(src, Node) and src.name in VIEW_OPS and src.kind == "op"
-               and len([a for a in src.inputs if isinstance(a, Node)]) == 1):
-            views.insert(0, src)
-            src = next(a for a in src.inputs if isinstance(a, Node))
-        first = max(pos.get(getattr(src, "id", None), -1), last_comm) + 1
-        last_comm = i
-        if m is None or not any(n.name == "matmul" for n in graph.nodes[first:i]):
-            continue
-        group = c.params["spec"].mesh.get_group(m)
-        start = Node(graph._next, "comm", "all_reduce_start", list(c.inputs), {}, (), c.dtype,
-                     fn=functools.partial(_start, group), note=f"{c.note}, non-blocking")
-        graph._next += 1
-        c.kind, c.name, c.inputs, c.params, c.fn, c.note = "op", "wait", [start], {}, _wait, ""
-        at.setdefault(first, []).extend(views + [start])
-        moved.update(v.id for v in views)
-    if at:
-        graph.nodes = [m for i, n in enumerate(graph.nodes)
-                       for m in at.get(i, []) + ([] if n.id in moved else [n])]
-    return graph
-
-
-def _start(group, x):
-    return group.all_reduce(x, async_op=True)
-
-
-def _wait(work):
-    return work.wait()

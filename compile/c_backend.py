@@ -89,7 +89,7 @@ static inline T dt_erf_S(T x) {  /* erf_block: Numerical Recipes' erfc */
 }
 
 static inline T dt_phi_S(T x, T *pdf) {  /* _phi_and_pdf: Phi(x) and exp(-x^2/2) */
-    T z = (x < 0 ? -x : x) * 0.7071067811865476F;
+    T z = (x < 0 ? -x : x) * 0.7071067811865475F;
     T t = 1.0F / (z * 0.3275911F + 1.0F);
     T p = t * 1.061405429F;
     p += -1.453152027F; p *= t; p += 1.421413741F; p *= t; p += -0.284496736F; p *= t;
@@ -122,7 +122,7 @@ static inline T dt_gelu_tanh_grad_S(T g, T x, T y) {
     T x2 = x * x;
     T u = (x2 * 0.044715F + 1.0F) * x * 0.7978845608028654F;
     T th = dt_tanh_S(u);
-    T du = (x2 * (3.0F * 0.044715F) + 1.0F) * 0.7978845608028654F;
+    T du = (x2 * 0.134145F + 1.0F) * 0.7978845608028654F;  /* 3 * 0.044715, rounded once */
     du = du * (1.0F - th * th) * x;
     return ((th + 1.0F) + du) * 0.5F * g;
 }
@@ -359,15 +359,23 @@ def build(source: str) -> ctypes.CDLL:
     path = os.path.join(_cache_dir(), f"dtc_c_{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     lib = path + ".so"
     if not os.path.exists(lib):
-        with open(path + ".c", "w") as f:
+        # Every file this process writes is its own until renamed into place (atomically):
+        # ranks building the same library at once never read each other's half-written files.
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        with open(tmp + ".c", "w") as f:
             f.write(source)
-        tmp = f"{lib}.{os.getpid()}.tmp"
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, path + ".c", "-lm"], capture_output=True,
-                              text=True)
+        try:
+            done = subprocess.run([cc, *FLAGS, "-o", tmp + ".so", tmp + ".c", "-lm"],
+                                  capture_output=True, text=True)
+        except OSError as e:
+            raise CompilerNotFound(f"dtensor.compile(backend='c'): cannot run the C compiler "
+                                   f"{cc!r} ({e}); set $CC to one, or use backend='numpy'.")
         if done.returncode:
+            os.replace(tmp + ".c", path + ".c")  # kept for the error message's line numbers
             raise RuntimeError(f"dtensor.compile(backend='c'): {cc} failed on {path}.c:\n"
                                f"{done.stderr[-4000:]}")
-        os.replace(tmp, lib)  # atomic: ranks building the same library do not collide
+        os.replace(tmp + ".c", path + ".c")
+        os.replace(tmp + ".so", lib)
     return ctypes.CDLL(lib)
 
 
@@ -393,48 +401,55 @@ _SPLIT_ELEMENTS = 1 << 18
 
 
 class _Pool:
-    """Workers for a kernel's row ranges; the caller runs the first range itself."""
+    """Workers for a kernel's row ranges; the caller runs the first range itself. Each call
+    brings its own completion queue, so callers on several threads at once each wait for
+    exactly their own ranges."""
 
     def __init__(self, n: int):
         self.inbox = [queue.SimpleQueue() for _ in range(n - 1)]
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
         for i, q in enumerate(self.inbox):
             threading.Thread(target=self._work, args=(q,), daemon=True,
                              name=f"dtensor-c-{i}").start()
 
-    def _work(self, inbox) -> None:
+    @staticmethod
+    def _work(inbox) -> None:
         while True:
-            fn, args = inbox.get()
+            fn, args, done = inbox.get()
             try:
                 fn(*args)
-                self.done.put(None)
+                done.put(None)
             except BaseException as e:  # re-raised by the caller
-                self.done.put(e)
+                done.put(e)
 
     def run(self, fn, calls: list) -> None:
         """fn(*args) for every args in ``calls``, at once."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
         for q, args in zip(self.inbox, calls[1:]):
-            q.put((fn, args))
+            q.put((fn, args, done))
         error = None
         try:
             fn(*calls[0])
         finally:  # always collect the workers: they write into the caller's arrays
             for _ in calls[1:]:
-                error = self.done.get() or error
+                error = done.get() or error
         if error is not None:
             raise error
 
 
 _pools: dict = {}
+_pools_lock = threading.Lock()
+# A forked child has none of the parent's threads: it starts its own pools.
+os.register_at_fork(after_in_child=_pools.clear)
 
 
 def _parallel(fn, calls: list) -> None:
     if len(calls) == 1:
         fn(*calls[0])
         return
-    pool = _pools.get(len(calls))
-    if pool is None:
-        pool = _pools[len(calls)] = _Pool(len(calls))
+    with _pools_lock:
+        pool = _pools.get(len(calls))
+        if pool is None:
+            pool = _pools[len(calls)] = _Pool(len(calls))
     pool.run(fn, calls)
 
 
@@ -476,8 +491,10 @@ class _Pointwise:
 
     accepts_out = True
 
-    def __init__(self, name: str, ops, shape, dtype, in_shapes, in_dtypes, label: str):
+    def __init__(self, name: str, ops, shape, dtype, in_shapes, in_dtypes, label: str,
+                 positions):
         self.name, self.shape, self.dtype = name, tuple(shape), np.dtype(dtype)
+        self.positions = positions  # which call arguments are arrays (the rest: constants)
         self.C = self.shape[-1] if self.shape else 1
         self.R = int(np.prod(self.shape[:-1])) if self.shape else 1
         lead = self.shape[:-1]
@@ -517,7 +534,8 @@ class _Pointwise:
         self.argtypes = [_P] * (len(in_shapes) + 1) + [_I, _I]
 
     def __call__(self, *inputs, out=None):
-        arrays = [np.ascontiguousarray(x) for x in inputs if isinstance(x, np.ndarray)]
+        # (a 0-d value, e.g. a full reduction's, arrives as a numpy scalar)
+        arrays = [np.ascontiguousarray(inputs[k]) for k in self.positions]
         out = np.empty(self.shape, self.dtype) if out is None else out
         _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.R,
                   self.R * self.C * (len(arrays) + 1))
@@ -580,7 +598,8 @@ class _CrossEntropy:
         if not (R and self.C):
             return out
         if self.backward:
-            gs = np.ascontiguousarray(np.broadcast_to(g, ts.shape), dtype=self.dtype)
+            gs = np.ascontiguousarray(np.broadcast_to(g, np.shape(t)).reshape(-1),
+                                      dtype=self.dtype)
             _run_rows(self.fn, (_ptr(gs), _ptr(xs), _ptr(ts), _ptr(out)), R, 2 * R * self.C,
                       (self.C,))
         else:  # a row of scratch per thread for the exponentials
@@ -628,20 +647,25 @@ _ROW_OPS = ("softmax", "softmax_backward", "log_softmax", "log_softmax_backward"
             "normalize_backward")
 
 
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
 def _pointwise_ok(ops, in_dtypes, dtype) -> bool:
-    """Groups of one floating dtype, bool allowed as a where() condition: C's integer division
-    and promotions differ from numpy's, so anything else stays numpy."""
-    if dtype not in (np.float32, np.float64):
+    """Groups of one floating dtype in which a boolean (an input or a comparison's result) is
+    only ever a where() condition: C computes on a comparison's int where numpy has bool
+    arithmetic (True + True is True) and its own promotions, so anything else stays numpy."""
+    if dtype not in (np.float32, np.float64) or any(
+            name in ("cast", "rand", "randn", "logical_not") for name, *_ in ops):
         return False
-    for k, dt in enumerate(in_dtypes):
-        if dt == dtype:
-            continue
-        if dt != np.bool_:
-            return False
-        for name, _, refs, _ in ops:
-            if ("in", k) in refs and (name != "where" or refs.index(("in", k)) != 0):
+    boolean = {("in", k) for k, dt in enumerate(in_dtypes) if dt == np.bool_}
+    if any(dt not in (dtype, np.bool_) for dt in in_dtypes):
+        return False
+    boolean |= {("op", j) for j, (name, *_) in enumerate(ops) if name in _COMPARISONS}
+    for name, _, refs, _ in ops:
+        for pos, ref in enumerate(refs):
+            if ref in boolean and not (name == "where" and pos == 0):
                 return False
-    return not any(name in ("cast", "rand", "randn", "logical_not") for name, *_ in ops)
+    return True
 
 
 def _kernel_for(n: Node, name: str):
@@ -661,8 +685,9 @@ def _kernel_for(n: Node, name: str):
             return None
         if not _pointwise_ok(ops, dtypes, n.dtype):
             return None
+        positions = [k for k, a in enumerate(n.inputs) if isinstance(a, (Node, np.ndarray))]
         return _Pointwise(name, ops, n.shape, n.dtype, [a.shape for a in arrays], dtypes,
-                          f"{n.name} {n.note}".strip()), {}
+                          f"{n.name} {n.note}".strip(), positions), {}
     if n.name == "adamw_group":
         if all(a.dtype == n.dtype for a in arrays):
             return _AdamWGroup(n.params["sizes"], n.dtype), {

@@ -176,6 +176,8 @@ class _Results:
             return self._take(shape, dtype)
 
     def _take(self, shape: tuple, dtype) -> np.ndarray:
+        if math.prod(shape) * dtype.itemsize > self._BYTES:  # more than may be kept idle
+            return np.empty(shape, dtype)
         key = (shape, dtype)
         held = self._held.pop(key, None) or []
         self._held[key] = held  # most recently used last

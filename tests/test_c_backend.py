@@ -85,7 +85,7 @@ def test_row_ops_in_both_float_types(dtype, rtol, shape):
 
 def test_threads_split_rows_without_changing_a_bit(monkeypatch):
     """A kernel's rows split over 1, 2 or 3 threads (ranges of unequal length): the same bits,
-    since every row is computed alone; the AdamW group splits by parameters."""
+    since every row is computed alone."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((600, 700)).astype(np.float32)
     t = rng.integers(0, 700, 600)
@@ -103,6 +103,79 @@ def test_threads_split_rows_without_changing_a_bit(monkeypatch):
     for other in outs[1:]:
         for a, b in zip(other, outs[0]):
             np.testing.assert_array_equal(a, b)
+
+
+def eager_and_c(f, *arrays):
+    got, _ = compiled(f, *arrays)
+    want = [o.numpy() for o in f(*[dtensor.Tensor(a) for a in arrays])]
+    return got, want
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_comparisons_inside_a_group_keep_numpy_semantics(dtype):
+    """A comparison's result is bool in numpy (True + True is True, True / 2 is 0.5) and int
+    in C: such groups must not compute on it in C."""
+    a = np.linspace(-2, 2, 40).astype(dtype).reshape(4, 10)
+    got, want = eager_and_c(lambda t: (t * ((t > 0) / 2), t * ((t > 0) + (t > -0.5)),
+                                       dtensor.where(t > 0, t, t * 0.5).exp()), a)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_a_reduced_scalar_input():
+    a = np.random.default_rng(5).standard_normal((6, 7)).astype(np.float32)
+    got, want = eager_and_c(lambda t: ((t - t.sum() / 42.0).exp(), t * t.max()), a)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def test_cross_entropy_with_targets_of_more_than_one_dim():
+    rng = np.random.default_rng(6)
+    x, t = rng.standard_normal((2, 5, 3)).astype(np.float32), rng.integers(0, 3, (2, 5))
+
+    def f(a):
+        a.requires_grad = True
+        loss = F.cross_entropy(a.reshape(-1, 3), t.reshape(-1)) + nnops.softmax_cross_entropy(
+            a, t).sum()
+        return (loss,) + dtensor.autograd.grad(loss, [a])
+
+    got, want = eager_and_c(f, x)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_kernels_split_from_several_threads_at_once(monkeypatch):
+    """Two threads splitting kernels over the same pool each wait for their own row ranges."""
+    import threading
+    import time
+    monkeypatch.setenv("DTENSOR_NUM_THREADS", "2")
+    done = {}
+
+    def part(caller, lo, hi):
+        time.sleep(0.01 if lo else 0.0)  # the worker's range finishes last
+        done.setdefault(caller, []).append(lo)
+
+    def call(caller):
+        c_backend._parallel(part, [(caller, 0, 1), (caller, 1, 2)])
+        assert sorted(done[caller]) == [0, 1], caller  # both ranges ran before the return
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert all(sorted(v) == [0, 1] for v in done.values()) and len(done) == 8
+
+
+def test_ranks_building_one_library_at_once(monkeypatch, tmp_path):
+    import concurrent.futures
+    monkeypatch.setenv("DTENSOR_COMPILE_CACHE", str(tmp_path))
+    source = c_backend.PRELUDE + "".join(f"int f{k}(void) {{ return {k}; }}\n"
+                                         for k in range(2000))
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        libs = list(pool.map(lambda _: c_backend.build(source), range(6)))
+    assert all(lib.f1999() == 1999 for lib in libs)
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".c", ".so"]
 
 
 def test_cross_entropy_target_out_of_range_is_an_index_error():
@@ -126,6 +199,9 @@ def test_compiler_errors_are_clear(monkeypatch, tmp_path):
     monkeypatch.setenv("DTENSOR_COMPILE_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed on .*dtc_c_.*\\.c"):
         c_backend.build("this is not C;\n")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(c_backend.CompilerNotFound, match="no-such-cc.*set \\$CC"):
+        c_backend.build("int y;\n")
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(c_backend.shutil, "which", lambda name: None)
     with pytest.raises(c_backend.CompilerNotFound, match="backend='numpy'"):

@@ -154,12 +154,15 @@ def test_result_cache_keeps_a_bounded_number_of_idle_bytes():
     cache._BYTES = 3 * 800
     in_use = cache.take((100,), np.dtype("float64"))
     for n in range(101, 111):  # ten results of other shapes, each dropped at once
-        cache.take((n,), np.dtype("float64"))
+        newest = cache.take((n,), np.dtype("float64")).ctypes.data
     cached = [a for held in cache._held.values() for a in held]
     idle = sum(a.nbytes for a in cached if a is not in_use)
     assert any(a is in_use for a in cached)  # still handed out: kept, not counted
     assert idle <= 3 * 800 + 8 * 110  # the bound, plus the latest result (idle only since)
-    assert cache.take((110,), np.dtype("float64")).shape == (110,)  # the newest survived
+    del cached  # (a reference of ours would make every array look in use)
+    assert cache.take((110,), np.dtype("float64")).ctypes.data == newest  # the newest is kept
+    assert cache.take((10 ** 6,), np.dtype("float32")).nbytes > cache._BYTES  # too big to keep
+    assert (10 ** 6,) not in {shape for shape, _ in cache._held}
 
 
 @pytest.mark.ranks(2)

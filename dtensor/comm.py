@@ -317,31 +317,37 @@ class Comm:
                 default all ranks are assumed to pass the same shape.
             out: an optional preallocated result buffer (``axis=0`` only).
         """
+        # The even, axis-0 path does no more Python than it must: on this machine a rank's
+        # microseconds before a collective cost its peers several times that in waiting.
         x = _contig(x)
         axis %= max(x.ndim, 1)
-        sizes = [x.shape[axis]] * self.size if sizes is None else [int(s) for s in sizes]
-        self._check_sizes("all_gather", sizes, x.shape[axis])
+        if sizes is None:
+            total, even = x.shape[axis] * self.size, True
+        else:
+            sizes = [int(s) for s in sizes]
+            self._check_sizes("all_gather", sizes, x.shape[axis])
+            total, even = sum(sizes), len(set(sizes)) == 1
         if self._check:
             self._agree("all_gather", (str(x.dtype), x.shape[:axis] + x.shape[axis + 1:]))
-        front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
-        row = math.prod(front.shape[1:])
         if out is not None and axis:
             raise ValueError("all_gather(out=...) needs axis=0; gather along dim 0 and move it.")
-        out = _out(out, (sum(sizes),) + front.shape[1:], x.dtype, "all_gather")
+        front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
+        out = _out(out, (total,) + front.shape[1:], x.dtype, "all_gather")
         self._record("all_gather", out.nbytes, x.dtype)
-        counts = [s * row for s in sizes]
+        # Equal sizes take Allgather: MPICH's Allgatherv algorithms are several times slower.
+        if even:
+            req = (self._c.Iallgather if async_op else self._c.Allgather)(front, out)
+        else:
+            row = math.prod(front.shape[1:])
+            counts = [s * row for s in sizes]
+            spec = [out, (counts, np.cumsum([0] + counts[:-1]).tolist())]
+            req = (self._c.Iallgatherv if async_op else self._c.Allgatherv)(front, spec)
+        if not axis:
+            return Work(req, lambda: out) if async_op else out
 
         def finish():
-            return np.ascontiguousarray(np.moveaxis(out, 0, axis)) if axis else out
+            return np.ascontiguousarray(np.moveaxis(out, 0, axis))
 
-        # Equal sizes take Allgather: MPICH's Allgatherv algorithms are several times slower.
-        if len(set(counts)) == 1:
-            call = self._c.Iallgather if async_op else self._c.Allgather
-            req = call(front, out)
-        else:
-            spec = [out, (counts, np.cumsum([0] + counts[:-1]).tolist())]
-            call = self._c.Iallgatherv if async_op else self._c.Allgatherv
-            req = call(front, spec)
         return Work(req, finish) if async_op else finish()
 
     def reduce_scatter(self, x, op: str = "sum", axis: int = 0,
@@ -356,31 +362,37 @@ class Comm:
         x = _contig(x)
         axis %= max(x.ndim, 1)
         mpi_op = self._op(op)
-        sizes = (_even_sizes(x.shape[axis], self.size, "reduce_scatter") if sizes is None
-                 else [int(s) for s in sizes])
-        if sum(sizes) != x.shape[axis] or len(sizes) != self.size:
-            raise ValueError(f"reduce_scatter: sizes {sizes} must have one entry per rank "
-                             f"({self.size}) and add up to dim {axis} of size {x.shape[axis]}.")
+        if sizes is None:
+            n = x.shape[axis] // self.size
+            if n * self.size != x.shape[axis]:
+                _even_sizes(x.shape[axis], self.size, "reduce_scatter")  # raises, says how
+            mine, even = n, True
+        else:
+            sizes = [int(s) for s in sizes]
+            if sum(sizes) != x.shape[axis] or len(sizes) != self.size:
+                raise ValueError(f"reduce_scatter: sizes {sizes} must have one entry per rank "
+                                 f"({self.size}) and add up to dim {axis} of size "
+                                 f"{x.shape[axis]}.")
+            mine, even = sizes[self.rank], len(set(sizes)) == 1
         if self._check:
             self._agree("reduce_scatter", (str(x.dtype), x.shape, op))
         self._record("reduce_scatter", x.nbytes, x.dtype)
-        front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
-        row = math.prod(front.shape[1:])
         if out is not None and axis:
             raise ValueError("reduce_scatter(out=...) needs axis=0.")
-        out = _out(out, (sizes[self.rank],) + front.shape[1:], x.dtype, "reduce_scatter")
-        counts = [s * row for s in sizes]
+        front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
+        out = _out(out, (mine,) + front.shape[1:], x.dtype, "reduce_scatter")
+        if even:
+            call = self._c.Ireduce_scatter_block if async_op else self._c.Reduce_scatter_block
+            req = call(front, out, op=mpi_op)
+        else:
+            row = math.prod(front.shape[1:])
+            call = self._c.Ireduce_scatter if async_op else self._c.Reduce_scatter
+            req = call(front, out, [s * row for s in sizes], op=mpi_op)
 
         def finish():
             res = self._avg(out, op)
             return np.ascontiguousarray(np.moveaxis(res, 0, axis)) if axis else res
 
-        if len(set(counts)) == 1:
-            call = self._c.Ireduce_scatter_block if async_op else self._c.Reduce_scatter_block
-            req = call(front, out, op=mpi_op)
-        else:
-            call = self._c.Ireduce_scatter if async_op else self._c.Reduce_scatter
-            req = call(front, out, counts, op=mpi_op)
         return Work(req, finish) if async_op else finish()
 
     def all_to_all(self, x, split_axis: int, concat_axis: int,

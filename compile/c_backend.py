@@ -329,7 +329,7 @@ PRELUDE = ("#include <math.h>\n#include <stdint.h>\n\n" + _helpers("float") + _h
 
 
 class CompilerNotFound(RuntimeError):
-    pass
+    """backend='c' found no C compiler to run (none on PATH, or $CC does not run)."""
 
 
 def _compiler() -> str:

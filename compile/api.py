@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import time
 import warnings
@@ -421,19 +422,13 @@ class Compiled:
         if debug:
             print(f"[dtensor.compile] {self.__name__}: traced\n{graph}", flush=True)
         for name, p in PASSES:
-            if name == "plan_memory" and self.backend == "triton":
-                from dtensor.compile import triton_backend
-                kernels = triton_backend.lower_graph(graph)
+            if name == "plan_memory" and self.backend != "numpy":
+                lower = importlib.import_module(f"dtensor.compile.{self.backend}_backend")
+                kernels = lower.lower_graph(graph)
                 if _debug_level() >= 3 and _rank0():
                     for node, k in kernels:
-                        print(f"[dtensor.compile] triton kernel for %{node.id} {node.name} "
-                              f"{node.note} ({k.path})\n{k.source}", flush=True)
-            if name == "plan_memory" and self.backend == "c":
-                from dtensor.compile import c_backend
-                kernels = c_backend.lower_graph(graph)
-                if _debug_level() >= 3 and _rank0():
-                    print("[dtensor.compile] C kernels: " + ", ".join(
-                        f"%{node.id} {node.name} ({k.name})" for node, k in kernels), flush=True)
+                        print(f"[dtensor.compile] {self.backend} kernel for %{node.id} "
+                              f"{node.name} {node.note}\n{k.source}", flush=True)
             graph = p(graph)
             if debug:
                 print(f"[dtensor.compile] after {name}\n{graph}", flush=True)

@@ -548,7 +548,7 @@ class _Rowwise:
     accepts_out = True
 
     def __init__(self, name: str, params: dict, shape, dtype):
-        self.op, self.shape, self.dtype = name, tuple(shape), np.dtype(dtype)
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.name = f"{name}_{_TYPE_DEFS[_CTYPE[self.dtype]][0]}"
         self.C = self.shape[-1]
         self.R = int(np.prod(self.shape[:-1]))
@@ -631,11 +631,10 @@ class _AdamWGroup:
         self.ranges = list(zip(cuts[:-1], cuts[1:]))
 
     def __call__(self, *arrays, each=(), out=None, **hp):
-        from dtensor.compile.numpy_backend import ADAMW_HYPERPARAMETERS
+        from dtensor.compile.numpy_backend import adamw_table
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the call
         tab = np.array([_ptr(a) for a in arrays], np.int64)
-        hps = np.array([[hp[k] if k in hp else hp[f"{k}_{q}"] for k in ADAMW_HYPERPARAMETERS]
-                        for q in range(len(self.sizes))], np.float64)
+        hps = adamw_table(hp, len(self.sizes), np.float64)
         out = np.empty((3, self.total), self.dtype) if out is None else out
         head = (_ptr(tab), _ptr(self.sizes), _ptr(self.offsets), _ptr(hps), _ptr(out),
                 self.total)
@@ -655,11 +654,10 @@ def _pointwise_ok(ops, in_dtypes, dtype) -> bool:
     only ever a where() condition: C computes on a comparison's int where numpy has bool
     arithmetic (True + True is True) and its own promotions, so anything else stays numpy."""
     if dtype not in (np.float32, np.float64) or any(
-            name in ("cast", "rand", "randn", "logical_not") for name, *_ in ops):
+            name in ("cast", "rand", "randn", "logical_not") for name, *_ in ops) or any(
+            dt not in (dtype, np.bool_) for dt in in_dtypes):
         return False
     boolean = {("in", k) for k, dt in enumerate(in_dtypes) if dt == np.bool_}
-    if any(dt not in (dtype, np.bool_) for dt in in_dtypes):
-        return False
     boolean |= {("op", j) for j, (name, *_) in enumerate(ops) if name in _COMPARISONS}
     for name, _, refs, _ in ops:
         for pos, ref in enumerate(refs):
@@ -670,22 +668,16 @@ def _pointwise_ok(ops, in_dtypes, dtype) -> bool:
 
 def _kernel_for(n: Node, name: str):
     """A C kernel for node ``n`` and the params it is then called with, or None."""
-    from dtensor.compile.passes.fusion import pointwise_op
+    from dtensor.compile.passes.fusion import as_group, pointwise_op
     from dtensor.ops.registry import OPS
     arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
     if n.dtype not in (np.float32, np.float64) or not n.shape:
         return None
     if n.name == "fused" or pointwise_op(n) is not None:
-        ops = n.params["ops"] if n.name == "fused" else [
-            (n.name, OPS[n.name], [("in", next(k for k, b in enumerate(arrays) if a is b))
-                                   if isinstance(a, (Node, np.ndarray)) else ("const", a)
-                                   for a in n.inputs], dict(n.params))]
+        ops, arrays, positions = as_group(n)
         dtypes = [np.dtype(a.dtype) for a in arrays]
-        if n.name == "fused" and any(k.startswith("key") for k in n.params):
+        if not _pointwise_ok(ops, dtypes, n.dtype):  # (random draws included: numpy's)
             return None
-        if not _pointwise_ok(ops, dtypes, n.dtype):
-            return None
-        positions = [k for k, a in enumerate(n.inputs) if isinstance(a, (Node, np.ndarray))]
         return _Pointwise(name, ops, n.shape, n.dtype, [a.shape for a in arrays], dtypes,
                           f"{n.name} {n.note}".strip(), positions), {}
     if n.name == "adamw_group":

@@ -19,6 +19,11 @@ import numpy as np
 __all__ = ["Node", "Graph", "Slot"]
 
 
+# Node kinds of generated kernels (compile/triton_backend.py, compile/c_backend.py): called as
+# ops are, with their bound params and an optional out= buffer.
+KERNEL_KINDS = ("triton", "c")
+
+
 @dataclass(frozen=True)
 class Slot:
     """A param whose value the runtime computes before each call (slot ``index``)."""

@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-from dtensor.compile.graph import Graph, Node, Slot
+from dtensor.compile.graph import KERNEL_KINDS, Graph, Node, Slot
 
 __all__ = ["generate", "load"]
 
@@ -64,7 +64,7 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
             fixed = {k: v for k, v in n.params.items() if not isinstance(v, Slot)}
         slots = {k: v for k, v in n.params.items() if isinstance(v, Slot)}
         args = [ref(a) for a in n.inputs]
-        if fixed and n.kind in ("op", "triton", "c"):
+        if fixed and n.kind in ("op", *KERNEL_KINDS):
             args.append(f"**{const(fixed)}")
         args += [f"{k}=S[{v.index}]" + (f"[{v.name!r}]" if v.name != "key" else "")
                  for k, v in slots.items()]
@@ -121,8 +121,15 @@ def adamw_group(*arrays, sizes, each=(), **hp):
     return out
 
 
-# adamw_step's params, in the order of the Triton group kernel's hyperparameter table.
+# adamw_step's params, in the order of the generated group kernels' hyperparameter table.
 ADAMW_HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")
+
+
+def adamw_table(hp: dict, count: int, dtype) -> np.ndarray:
+    """(count, 7) hyperparameters of an adamw_group's parameters, ADAMW_HYPERPARAMETERS order:
+    a shared one as given, a per-parameter one (named in ``each``) from ``name_j``."""
+    return np.array([[hp[k] if k in hp else hp[f"{k}_{j}"] for k in ADAMW_HYPERPARAMETERS]
+                     for j in range(count)], dtype)
 
 
 def rows_view(x: np.ndarray, lead: tuple, last: int) -> np.ndarray:

@@ -163,8 +163,9 @@ class _Pointwise:
 
     accepts_out = True
 
-    def __init__(self, ops, shape, dtype, in_shapes, in_dtypes, label):
+    def __init__(self, ops, shape, dtype, in_shapes, in_dtypes, label, positions):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.positions = positions  # which call arguments are arrays (the rest: constants)
         self.n = int(np.prod(shape))
         bstrides = []
         for s, dt in zip(in_shapes, in_dtypes):
@@ -198,9 +199,8 @@ class _Pointwise:
     def __call__(self, *inputs, out=None, **keys):
         from dtensor.compile.triton_adapter import as_triton_arg
         out = np.empty(self.shape, self.dtype) if out is None else out
-        # Scalars are literals in the kernel; arrays are its pointer arguments.
-        args = [as_triton_arg(np.ascontiguousarray(x)) for x in inputs
-                if isinstance(x, np.ndarray)]
+        # Constants are literals in the kernel; arrays are its pointer arguments.
+        args = [as_triton_arg(np.ascontiguousarray(inputs[k])) for k in self.positions]
         grid = ((self.n + self.block - 1) // self.block,)
         if self.n:
             with np.errstate(all="ignore"):  # masked-off lanes may compute inf - inf
@@ -497,12 +497,11 @@ class _AdamWGroup:
         self.mod, self.path = _load(self.source)
 
     def __call__(self, *arrays, each=(), out=None, **hp):
-        from dtensor.compile.numpy_backend import ADAMW_HYPERPARAMETERS
+        from dtensor.compile.numpy_backend import adamw_table
         from dtensor.compile.triton_adapter import as_triton_arg
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the launch
         tables = [np.array([a.ctypes.data for a in arrays[k::4]], np.int64) for k in range(4)]
-        hp_tab = np.array([[hp[k] if k in hp else hp[f"{k}_{t}"] for k in ADAMW_HYPERPARAMETERS]
-                           for t in range(len(self.sizes))], np.float32)
+        hp_tab = adamw_table(hp, len(self.sizes), np.float32)
         out = np.empty((3, self.total), np.float32) if out is None else out
         if len(self.chunk_tensor):
             self.mod.kernel[(len(self.chunk_tensor),)](
@@ -556,7 +555,7 @@ class _Random:
 def _kernel_for(n: Node):
     """A Triton kernel for node ``n`` and the params it is called with, or None (the node
     stays a numpy call)."""
-    from dtensor.compile.passes.fusion import pointwise_op
+    from dtensor.compile.passes.fusion import as_group, pointwise_op
     from dtensor.dtensor import _block_offsets, _rand_local, _randn_local
     from dtensor.ops.registry import OPS
     arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
@@ -565,13 +564,10 @@ def _kernel_for(n: Node):
     if n.name == "fused" or pointwise_op(n) is not None:
         if not n.shape:
             return None
-        ops = n.params["ops"] if n.name == "fused" else [
-            (n.name, OPS[n.name], [("in", next(k for k, b in enumerate(arrays) if a is b))
-                                   if isinstance(a, (Node, np.ndarray)) else ("const", a)
-                                   for a in n.inputs], dict(n.params))]
+        ops, arrays, positions = as_group(n)
         keys = {k: v for k, v in n.params.items() if k.startswith("key")}
         return _Pointwise(ops, n.shape, n.dtype, [a.shape for a in arrays],
-                          [a.dtype for a in arrays], f"{n.name} {n.note}"), keys
+                          [a.dtype for a in arrays], f"{n.name} {n.note}", positions), keys
     if n.dtype is None or n.dtype.kind != "f" or not n.shape:
         return None
     if n.name == "adamw_group" and all(a.dtype == np.float32 for a in arrays):

@@ -192,20 +192,20 @@ class _Results:
         return arr
 
     def _evict(self) -> None:
-        idle = [(held, i) for held in self._held.values() for i in range(len(held))
-                if _held_refs(held, i) <= _ONLY_HELD]
-        total = sum(held[i].nbytes for held, i in idle)
-        drop = set()
-        for held, i in idle:  # least recently used keys first
+        """Drop idle arrays, least recently used keys first, until the idle ones fit."""
+        total = sum(held[i].nbytes for held in self._held.values() for i in range(len(held))
+                    if _held_refs(held, i) <= _ONLY_HELD)
+        for key in list(self._held):
+            held, i = self._held[key], 0
+            while i < len(held) and total > self._BYTES:
+                if _held_refs(held, i) <= _ONLY_HELD:
+                    total -= held.pop(i).nbytes
+                else:
+                    i += 1
+            if not held:
+                del self._held[key]
             if total <= self._BYTES:
-                break
-            total -= held[i].nbytes
-            drop.add((id(held), i))
-        if drop:
-            for key, held in list(self._held.items()):
-                held[:] = [a for i, a in enumerate(held) if (id(held), i) not in drop]
-                if not held:
-                    del self._held[key]
+                return
 
 
 _RESULTS = _Results()

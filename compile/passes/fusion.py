@@ -32,6 +32,19 @@ def pointwise_op(n: Node):
     return op
 
 
+def as_group(n: Node):
+    """(ops, arrays, positions) of a ``fused`` node, or of one pointwise op as a group of one:
+    its ops list, its array inputs, and their positions among its call arguments (the rest are
+    constants; a 0-d value may arrive as a numpy scalar, so kernels pick arrays by position)."""
+    positions = [k for k, a in enumerate(n.inputs) if isinstance(a, (Node, np.ndarray))]
+    arrays = [n.inputs[k] for k in positions]
+    if n.name == "fused":
+        return n.params["ops"], arrays, positions
+    refs = [("in", next(k for k, b in enumerate(arrays) if a is b))
+            if isinstance(a, (Node, np.ndarray)) else ("const", a) for a in n.inputs]
+    return [(n.name, pointwise_op(n), refs, dict(n.params))], arrays, positions
+
+
 def row_reduction(n: Node) -> bool:
     """A sum or max over the last dim that keeps it (a (..., 1) column), on whole blocks."""
     from dtensor.ops.registry import OPS

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtensor.compile.graph import Graph, Node
+from dtensor.compile.graph import KERNEL_KINDS, Graph, Node
 
 # Ops whose result may share memory with their (first) input.
 VIEW_OPS = frozenset({"reshape", "permute", "getitem", "broadcast_to", "bucket_part", "wait",
@@ -18,7 +18,7 @@ VIEW_OPS = frozenset({"reshape", "permute", "getitem", "broadcast_to", "bucket_p
 
 def _out_capable(n: Node) -> bool:
     from dtensor.ops.structural import _matmul_impl
-    if n.kind not in ("op", "triton", "c") or n.dtype is None or n.dtype.kind not in "fiub":
+    if n.kind not in ("op", *KERNEL_KINDS) or n.dtype is None or n.dtype.kind not in "fiub":
         return False
     if (n.name in ("fused", "fused_rows") and n.fn is None) or getattr(n.fn, "accepts_out",
                                                                          False):

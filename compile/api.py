@@ -32,7 +32,7 @@ from dtensor.compile.trace import Traced, Tracer, TracingError
 
 __all__ = ["compile", "Compiled", "TracingError"]
 
-PASSES = (("dce", passes.dce), ("cse", passes.cse),
+PASSES = (("shard_broadcasts", passes.shard_broadcasts), ("dce", passes.dce), ("cse", passes.cse),
           ("bucket_all_reduces", passes.bucket_all_reduces),
           ("fuse_pointwise", passes.fuse_pointwise), ("fuse_adamw", passes.fuse_adamw),
           ("plan_memory", passes.plan_memory))

@@ -192,6 +192,6 @@ class Tracer:
                                  impl=redistribute_local), note=note))
 
 
-def _redistribute(x, *, spec, placements, impl):
-    return impl(x, spec, placements)
+def _redistribute(x, *, spec, placements, impl, donate=False):
+    return impl(x, spec, placements, donate=donate)
 

@@ -293,7 +293,8 @@ class Comm:
                    out: np.ndarray | None = None):
         """Element-wise reduction of ``x`` over all ranks; every rank gets the result.
 
-        ``out``: an optional preallocated result buffer (reusing one keeps it hot in cache).
+        ``out``: an optional preallocated result buffer (reusing one keeps it hot in cache);
+        ``out=x`` reduces in place (MPI_IN_PLACE: no copy of x into the result first).
         """
         x = _contig(x)
         mpi_op = self._op(op)
@@ -302,10 +303,11 @@ class Comm:
         if self._check:
             self._agree("all_reduce", (str(x.dtype), x.shape, op))
         self._record("all_reduce", x.nbytes, x.dtype)
+        send = _mpi().IN_PLACE if out is x else x
         out = _out(out, x.shape, x.dtype, "all_reduce")
         if async_op:
-            return Work(self._c.Iallreduce(x, out, op=mpi_op), lambda: self._avg(out, op))
-        self._c.Allreduce(x, out, op=mpi_op)
+            return Work(self._c.Iallreduce(send, out, op=mpi_op), lambda: self._avg(out, op))
+        self._c.Allreduce(send, out, op=mpi_op)
         return self._avg(out, op)
 
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None,

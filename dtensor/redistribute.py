@@ -63,8 +63,12 @@ def _debug(msg: str) -> None:
             print(f"[dtensor] {msg}", flush=True)
 
 
-def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...]) -> np.ndarray:
-    """The local array of ``spec``'s tensor laid out as ``placements`` (same mesh and shape)."""
+def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...],
+                       donate: bool = False) -> np.ndarray:
+    """The local array of ``spec``'s tensor laid out as ``placements`` (same mesh and shape).
+
+    ``donate``: the caller never reads ``local`` again, so a reduction may overwrite it (the
+    compiler donates a partial sum's buffer that dies at its all-reduce)."""
     mesh, shape = spec.mesh, spec.shape
     src = tuple(spec.placements)
     if src == tuple(placements):
@@ -129,7 +133,8 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
             local = group.reduce_scatter(local, op=p.reduce_op, axis=t.dim, sizes=sizes)
             cur[m] = t
         else:
-            local = group.all_reduce(local, op=p.reduce_op)
+            mine = donate and local.flags.c_contiguous and local.flags.writeable
+            local = group.all_reduce(local, op=p.reduce_op, out=local if mine else None)
             cur[m] = Replicate()
 
     # 3. Shard and make partial locally, outermost mesh dim first.
@@ -141,7 +146,13 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
         if isinstance(t, Shard):
             ext = local.shape[t.dim]
             n, off = shard_size_and_offset(ext, mesh.shape[m], coord[m])
-            local = np.ascontiguousarray(np.take(local, range(off, off + n), axis=t.dim))
+            piece = local[(slice(None),) * t.dim + (slice(off, off + n),)]
+            # The shard is a copy, never a window on the replicated value: a write to one must
+            # not reach the other. A read-only broadcast along the dim (a gradient of a sum,
+            # say) is the exception: its slice is the same broadcast, and copying it would
+            # write out every repeated element.
+            broadcast = not local.flags.writeable and local.strides[t.dim] == 0
+            local = piece if broadcast else piece.copy()
         elif isinstance(t, Partial) and t.reduce_op == "sum" and coord[m] != 0:
             # A replicated value as sum-partials: one rank keeps it, the others hold zeros.
             local = np.zeros_like(local)

@@ -38,7 +38,11 @@ def test_all_reduce(n, dtype, async_op, comm, rank, world_size):
             out = out.wait() if async_op else out
             assert out.dtype == np.dtype(dtype)
             np.testing.assert_allclose(out, ref.astype(dtype), rtol=1e-6)
-    assert log.summary() == {"all_reduce": (len(want), len(want) * inputs[0].nbytes)}
+            mine = inputs[rank].copy()  # out=x: reduced in place
+            out = comm.all_reduce(mine, op=op, async_op=async_op, out=mine)
+            assert (out.wait() if async_op else out) is mine
+            np.testing.assert_allclose(mine, ref.astype(dtype), rtol=1e-6)
+    assert log.summary() == {"all_reduce": (2 * len(want), 2 * len(want) * inputs[0].nbytes)}
     assert all(e.group == tuple(range(n)) for e in log.events)
 
 

@@ -269,6 +269,56 @@ def test_redundant_collectives_are_issued_once(rank):
     np.testing.assert_array_equal(full(got), full(want))
 
 
+@pytest.mark.ranks(2)
+def test_a_sharded_broadcast_moves_nothing_and_dying_partials_reduce_in_place(rank):
+    """The gradient of a sum over a sharded dim is a column broadcast to the whole dim, split
+    again to meet a sharded value (Replicate -> Shard): the compiled graph reads the column and
+    has no redistribute for it. A partial sum whose buffer dies at its all-reduce is reduced
+    in place (donated). Values and gradients as eager."""
+    from dtensor.placements import Shard
+
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    a = np.random.default_rng(0).standard_normal((6, 8))
+    w = np.random.default_rng(1).standard_normal((8, 5))
+
+    class Model(dtensor.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.x = dtensor.nn.Parameter(dtensor.distribute_tensor(a, mesh, [Shard(1)]))
+            self.w = dtensor.nn.Parameter(dtensor.distribute_tensor(w, mesh, [Shard(0)]))
+
+        def forward(self):
+            s = self.x.exp().sum(axis=1)  # Partial over the shards of dim 1
+            return s.log().sum() + (self.x @ self.w).tanh().sum()  # tanh: all-reduce first
+
+    results = []
+    for compiled in (False, True):
+        model = Model()
+
+        def step():
+            loss = model()
+            loss.backward()
+            return loss
+
+        run = dtensor.compile(step) if compiled else step
+        for _ in range(2):  # the compiled function traces on the first call
+            model.x.grad = model.w.grad = None
+            loss = run()
+        results.append((float(full(loss)), full(model.x.grad), full(model.w.grad)))
+    (le, gxe, gwe), (lc, gxc, gwc) = results
+    np.testing.assert_allclose(lc, le, rtol=1e-12)
+    np.testing.assert_allclose(gxc, gxe, rtol=1e-12)
+    np.testing.assert_allclose(gwc, gwe, rtol=1e-12)
+    e, dt = np.exp(a), 1 - np.tanh(a @ w) ** 2
+    np.testing.assert_allclose(gxe, e / e.sum(axis=1, keepdims=True) + dt @ w.T, rtol=1e-12)
+    np.testing.assert_allclose(gwe, a.T @ dt, rtol=1e-12)
+    graph = run.last.graph
+    comms = [n for n in graph.nodes if n.kind == "comm"]
+    assert not any(n.inputs[0].name == "broadcast_to" for n in comms), str(graph)
+    donated = [n.inputs[0].name for n in comms if n.fn.keywords.get("donate")]
+    assert donated == ["matmul"], str(graph)
+
+
 def test_model_and_optimizer_found_through_self_attributes():
     """A bound method of a trainer object: its model and optimizer are found as attributes."""
     class Trainer:

@@ -129,3 +129,23 @@ def test_nested_shards_on_a_2d_mesh(rank):
     for target in ([Replicate(), Shard(0)], [Shard(1), Shard(0)], [Shard(0), Replicate()],
                    [Shard(1), Shard(1)], [Replicate(), Replicate()]):
         np.testing.assert_array_equal(d.redistribute(mesh, target).full_tensor().numpy(), a)
+
+
+@pytest.mark.ranks(2)
+def test_shards_copy_the_replicated_value_except_a_broadcast(rank):
+    """Replicate -> Shard gives each rank a copy (a write to the shard leaves the replicated
+    array alone); a read-only broadcast along the split dim is sliced as the same broadcast,
+    without writing out its repeated elements."""
+    from dtensor.dtensor import DTensorSpec
+    from dtensor.redistribute import redistribute_local
+
+    mesh = mesh1d(2)
+    col = np.arange(4.0).reshape(4, 1)
+    for shape, src in [((4, 6), np.arange(24.0).reshape(4, 6)),
+                       ((4, 6), np.broadcast_to(col, (4, 6)))]:
+        spec = DTensorSpec(mesh, (Replicate(),), shape, src.dtype)
+        for dim in (0, 1):
+            got = redistribute_local(src, spec, (Shard(dim),))
+            want = np.split(np.asarray(src), 2, axis=dim)[rank]
+            np.testing.assert_array_equal(got, want)
+            assert np.shares_memory(got, src) == (not src.flags.writeable and dim == 1)

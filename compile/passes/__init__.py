@@ -1,7 +1,8 @@
 """Graph -> Graph passes, in the order the pipeline runs them (compile/api.py)."""
-from dtensor.compile.passes.collectives import bucket_all_reduces
+from dtensor.compile.passes.collectives import bucket_all_reduces, shard_broadcasts
 from dtensor.compile.passes.fusion import fuse_adamw, fuse_pointwise
 from dtensor.compile.passes.memory import plan_memory
 from dtensor.compile.passes.simplify import cse, dce
 
-__all__ = ["dce", "cse", "bucket_all_reduces", "fuse_pointwise", "fuse_adamw", "plan_memory"]
+__all__ = ["shard_broadcasts", "dce", "cse", "bucket_all_reduces", "fuse_pointwise", "fuse_adamw",
+           "plan_memory"]

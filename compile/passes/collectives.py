@@ -1,4 +1,5 @@
-"""Collective passes: merge independent small gradient all-reduces into buckets."""
+"""Collective passes: drop redistributes that move nothing (a broadcast split into shards),
+merge independent small gradient all-reduces into buckets."""
 from __future__ import annotations
 
 import operator
@@ -6,7 +7,7 @@ import operator
 import numpy as np
 
 from dtensor.compile.graph import Graph, Node
-from dtensor.placements import Partial, Replicate
+from dtensor.placements import Partial, Replicate, Shard
 
 BUCKET_BYTES = 25 << 20  # as PyTorch DDP's default bucket cap
 
@@ -20,6 +21,51 @@ def _all_reduce_dim(n: Node):
     if len(changed) == 1 and src[changed[0]] == Partial("sum") and dst[changed[0]] == Replicate():
         return changed[0]
     return None
+
+
+def shard_broadcasts(graph: Graph) -> Graph:
+    """A Replicate -> Shard redistribute of a broadcast along the split dims (the gradient of a
+    sum over a sharded dim: a (rows, 1) column broadcast to (rows, vocab)) moves no data: each
+    rank broadcasts the source to its own block. Pointwise users with another full-shape input
+    read the source as it is (they broadcast it themselves, and a fused kernel reads it by its
+    strides); otherwise the redistribute becomes a broadcast_to view. Eager slices the
+    broadcast view, which is no copy either."""
+    from dtensor.compile.passes.fusion import pointwise_op
+    from dtensor.ops.registry import OPS
+    users = graph.users()
+    outputs = {o.id for o in graph.outputs if isinstance(o, Node)}
+
+    def reads_broadcast(u, n):  # u broadcasts n's source itself and keeps its own shape
+        return pointwise_op(u) is not None and any(
+            a is not n and tuple(np.shape(a) if not isinstance(a, Node) else a.shape) == u.shape
+            for a in u.inputs if isinstance(a, (Node, np.ndarray)))
+
+    new: dict[int, object] = {}
+    for i, n in enumerate(graph.nodes):
+        src = n.inputs[0] if n.kind == "comm" and n.inputs else None
+        if not (isinstance(src, Node) and src.kind == "op" and src.name == "broadcast_to"
+                and src.fn is OPS["broadcast_to"].impl):
+            continue
+        changed = [(a, b) for a, b in zip(n.params["spec"].placements, n.params["placements"])
+                   if a != b]
+        base = src.inputs[0]
+        shape = tuple(base.shape if isinstance(base, Node) else np.shape(base))
+        base_shape = (1,) * (len(src.shape) - len(shape)) + shape
+        if not changed or not all(isinstance(a, Replicate) and isinstance(b, Shard)
+                                  and base_shape[b.dim] == 1 for a, b in changed):
+            continue
+        if n.id not in outputs and all(reads_broadcast(u, n) for u in users.get(n.id, ())):
+            new[n.id] = base
+        else:
+            graph.nodes[i] = Node(n.id, "op", "broadcast_to", [base], {"shape": n.shape},
+                                  n.shape, n.dtype, fn=OPS["broadcast_to"].impl, note=n.note)
+            new[n.id] = graph.nodes[i]
+    if new:
+        graph.nodes = [n for n in graph.nodes if new.get(n.id, n) is n]
+        for n in graph.nodes:
+            n.inputs = [new.get(a.id, a) if isinstance(a, Node) else a for a in n.inputs]
+        graph.outputs = [new.get(o.id, o) if isinstance(o, Node) else o for o in graph.outputs]
+    return graph
 
 
 def _bucket_fns(group, shapes):

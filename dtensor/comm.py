@@ -172,18 +172,22 @@ class _Results:
         self._lock = threading.Lock()
 
     def take(self, shape: tuple, dtype) -> np.ndarray:
+        key = (shape, dtype)
         with self._lock:
-            return self._take(shape, dtype)
+            held = self._held.pop(key, None)
+            if held is not None:
+                self._held[key] = held  # most recently used last
+                for i in range(len(held)):
+                    if _held_refs(held, i) <= _ONLY_HELD:
+                        return held[i]
+            return self._miss(key, held)
 
-    def _take(self, shape: tuple, dtype) -> np.ndarray:
+    def _miss(self, key: tuple, held: list | None) -> np.ndarray:
+        shape, dtype = key
         if math.prod(shape) * dtype.itemsize > self._BYTES:  # more than may be kept idle
             return np.empty(shape, dtype)
-        key = (shape, dtype)
-        held = self._held.pop(key, None) or []
-        self._held[key] = held  # most recently used last
-        for i in range(len(held)):
-            if _held_refs(held, i) <= _ONLY_HELD:
-                return held[i]
+        if held is None:
+            held = self._held[key] = []
         arr = np.empty(shape, dtype)
         held.append(arr)
         if len(held) > self._PER_KEY:
@@ -390,6 +394,8 @@ class Comm:
             row = math.prod(front.shape[1:])
             call = self._c.Ireduce_scatter if async_op else self._c.Reduce_scatter
             req = call(front, out, [s * row for s in sizes], op=mpi_op)
+        if not (async_op or axis):
+            return out if op != "avg" else self._avg(out, op)
 
         def finish():
             res = self._avg(out, op)

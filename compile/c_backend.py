@@ -274,25 +274,55 @@ void cross_entropy_backward_S(const T *g, const T *x, const int64_t *t, T *out, 
 
 /* The AdamW update of parameters q0..q1 (addresses in tab: p, g, m, v of each in turn) into
    the rows of out (3, total); hp: 7 hyperparameters a parameter, numpy_backend's order. The
-   constants are rounded to T first, as numpy rounds a Python float against a T array. */
+   constants are rounded to T first, as numpy rounds a Python float against a T array.
+   The three results go out with non-temporal stores where the rows line up on 32 bytes: they
+   are not read again this step, and a plain store first reads each line of out from memory
+   (measured, the standard workload's 5.28M float parameters on one thread: 15-18 -> 12-13
+   ms). */
+static inline void dt_adamw_rows_S(const T *restrict p, const T *restrict g,
+                                    const T *restrict m, const T *restrict v, T *restrict po,
+                                    T *restrict mo, T *restrict vo, int64_t n, const T *k) {
+    T b1 = k[0], c1 = k[1], b2 = k[2], c2 = k[3], eps = k[4], rs = k[5], step = k[6];
+    T decay = k[7];
+    for (int64_t i = 0; i < n; i++) {
+        T mi = m[i] * b1 + g[i] * c1;
+        T vi = v[i] * b2 + (g[i] * g[i]) * c2;
+        T den = dt_sqrt_S(vi) * rs + eps;
+        mo[i] = mi;
+        vo[i] = vi;
+        po[i] = p[i] * decay - (mi / den) * step;
+    }
+}
+
 void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offsets,
                    const double *hp, T *out, int64_t total, int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; q++) {
         const T *p = (const T *)tab[4 * q], *g = (const T *)tab[4 * q + 1];
         const T *m = (const T *)tab[4 * q + 2], *v = (const T *)tab[4 * q + 3];
         const double *h = hp + 7 * q;  /* lr, beta1, beta2, eps, weight_decay, bc1, bc2 */
-        T b1 = (T)h[1], c1 = (T)(1.0 - h[1]), b2 = (T)h[2], c2 = (T)(1.0 - h[2]);
-        T eps = (T)h[3], rs = (T)(1.0 / (sqrt)(h[6])), step = (T)(h[0] / h[5]);
-        T decay = (T)(1.0 - h[0] * h[4]);
+        const T k[8] = {(T)h[1], (T)(1.0 - h[1]), (T)h[2], (T)(1.0 - h[2]), (T)h[3],
+                        (T)(1.0 / (sqrt)(h[6])), (T)(h[0] / h[5]), (T)(1.0 - h[0] * h[4])};
         T *po = out + offsets[q], *mo = po + total, *vo = po + 2 * total;
-        for (int64_t i = 0; i < sizes[q]; i++) {
-            T mi = m[i] * b1 + g[i] * c1;
-            T vi = v[i] * b2 + (g[i] * g[i]) * c2;
-            T den = dt_sqrt_S(vi) * rs + eps;
-            mo[i] = mi;
-            vo[i] = vi;
-            po[i] = p[i] * decay - (mi / den) * step;
+        int64_t i = 0, n = sizes[q];
+#ifdef __AVX__
+        i = (int64_t)(((32 - ((uintptr_t)po & 31)) & 31) / sizeof(T));  /* to an aligned po */
+        i = i < n ? i : n;
+        dt_adamw_rows_S(p, g, m, v, po, mo, vo, i, k);
+        if ((((uintptr_t)(po + i) | (uintptr_t)(mo + i) | (uintptr_t)(vo + i)) & 31) == 0) {
+            enum { L = 32 / sizeof(T) };
+            for (; i + 64 <= n; i += 64) {  /* 64 results to the stack, then streamed out */
+                T r[3][64];
+                dt_adamw_rows_S(p + i, g + i, m + i, v + i, r[0], r[1], r[2], 64, k);
+                for (int j = 0; j < 64; j += L) {
+                    DT_STREAM_S(po + i + j, r[0] + j);
+                    DT_STREAM_S(mo + i + j, r[1] + j);
+                    DT_STREAM_S(vo + i + j, r[2] + j);
+                }
+            }
+            _mm_sfence();  /* the streamed lines are visible before the caller reads out */
         }
+#endif
+        dt_adamw_rows_S(p + i, g + i, m + i, v + i, po + i, mo + i, vo + i, n - i, k);
     }
 }
 """
@@ -309,7 +339,10 @@ def _helpers(ctype: str) -> str:
     return re.sub(r"(\d)F\b", r"\1f" if ctype == "float" else r"\1", text)
 
 
-PRELUDE = ("#include <math.h>\n#include <stdint.h>\n\n" + _helpers("float") + _helpers("double")
+PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#ifdef __AVX__\n#include <immintrin.h>\n"
+           "#define DT_STREAM_f32(dst, src) _mm256_stream_ps((dst), _mm256_loadu_ps(src))\n"
+           "#define DT_STREAM_f64(dst, src) _mm256_stream_pd((dst), _mm256_loadu_pd(src))\n"
+           "#endif\n\n" + _helpers("float") + _helpers("double")
            + r"""
 /* Names the ops' ``lower`` templates use (dtensor/ops/*.py), by argument type. */
 #define DT_GENERIC(name, x) _Generic((x), float: dt_##name##_f32, default: dt_##name##_f64)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import queue
@@ -279,6 +280,23 @@ void cross_entropy_backward_S(const T *g, const T *x, const int64_t *t, T *out, 
    are not read again this step, and a plain store first reads each line of out from memory
    (measured, the standard workload's 5.28M float parameters on one thread: 15-18 -> 12-13
    ms). */
+/* index_add (an embedding's gradient): row i of g (n rows of C) added into row idx[i] - off
+   of zeros (rows, C) when that row lies in [0, rows) (a vocab-parallel shard holds rows
+   off..off+rows), in order of i: the sums numpy's stable sort and reduceat make. Threads
+   split the columns [c0, c1), which keeps that order. */
+void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off, int64_t rows,
+                 int64_t C, int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = c0; c < c1; c++) out[r * C + c] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = idx[i] - off;
+        if (r < 0 || r >= rows) continue;
+        const T *src = g + i * C;
+        T *dst = out + r * C;
+        for (int64_t c = c0; c < c1; c++) dst[c] += src[c];
+    }
+}
+
 static inline void dt_adamw_rows_S(const T *restrict p, const T *restrict g,
                                     const T *restrict m, const T *restrict v, T *restrict po,
                                     T *restrict mo, T *restrict vo, int64_t n, const T *k) {
@@ -643,6 +661,38 @@ class _CrossEntropy:
         return out
 
 
+class _IndexAdd:
+    """index_add, the gradient of an embedding lookup: the whole op, or a vocab-parallel rank's
+    block of it (rows ``off`` .. ``off + rows`` of the weight; other indices add nothing)."""
+
+    accepts_out = True
+
+    def __init__(self, shape, dtype, off: int, whole: bool):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.rows, self.C = self.shape[0], math.prod(self.shape[1:])
+        self.off, self.whole = off, whole
+        self.name = f"index_add_{_TYPE_DEFS[_CTYPE[self.dtype]][0]}"
+        self.source = ""
+        self.argtypes = [_P] * 3 + [_I] * 6
+
+    def __call__(self, g, idx, like, out=None):
+        flat = np.asarray(idx).reshape(-1)
+        if self.whole and flat.size:  # numpy's index rules: -rows..rows-1
+            if flat.min() < -self.rows or flat.max() >= self.rows:
+                bad = flat[(flat < -self.rows) | (flat >= self.rows)][0]
+                raise IndexError(f"index {bad} is out of bounds for axis 0 with size "
+                                 f"{self.rows}")
+            flat = np.where(flat < 0, flat + self.rows, flat)
+        flat = np.ascontiguousarray(flat, dtype=np.int64)
+        g = np.ascontiguousarray(g, dtype=self.dtype)
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        n = min(num_threads(), -(-self.C // 8)) if flat.size * self.C >= _SPLIT_ELEMENTS else 1
+        cuts = [self.C * k // n // 8 * 8 for k in range(n)] + [self.C]  # whole vectors
+        head = (_ptr(g), _ptr(flat), _ptr(out), flat.size, self.off, self.rows, self.C)
+        _parallel(self.fn, [head + (a, b) for a, b in zip(cuts[:-1], cuts[1:])])
+        return out
+
+
 class _AdamWGroup:
     """adamw_group (compile/passes/fusion.py): every parameter's update in one call, the
     parameters split over threads by size."""
@@ -699,6 +749,21 @@ def _pointwise_ok(ops, in_dtypes, dtype) -> bool:
     return True
 
 
+def _index_add_for(n: Node):
+    """The whole index_add op, or DTensor's local block of it (dtensor/dtensor.py)."""
+    import functools
+
+    from dtensor.dtensor import _index_add_local, _rows
+    from dtensor.ops.registry import OPS
+    if n.fn is OPS["index_add"].impl:
+        return _IndexAdd(n.shape, n.dtype, 0, True), {}
+    if isinstance(n.fn, functools.partial) and n.fn.func is _index_add_local:
+        off, rows = _rows(n.fn.keywords["out_spec"], 0)
+        if rows == n.shape[0]:
+            return _IndexAdd(n.shape, n.dtype, off, False), {}
+    return None
+
+
 def _kernel_for(n: Node, name: str):
     """A C kernel for node ``n`` and the params it is then called with, or None."""
     from dtensor.compile.passes.fusion import as_group, pointwise_op
@@ -718,6 +783,8 @@ def _kernel_for(n: Node, name: str):
             return _AdamWGroup(n.params["sizes"], n.dtype), {
                 k: v for k, v in n.params.items() if k != "sizes"}
         return None
+    if n.name == "index_add" and arrays[0].dtype == n.dtype and arrays[1].dtype.kind in "iu":
+        return _index_add_for(n)
     op = OPS.get(n.name)
     if op is None or n.fn is not op.impl:
         return None

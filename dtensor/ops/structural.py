@@ -181,6 +181,9 @@ def index_add_rows(g, idx, num):
     out = np.zeros((num,) + rows.shape[1:], g.dtype)
     if flat.size == 0:
         return out
+    # A negative index counts from the end, as the lookup's np.take does; -1 and num - 1 are
+    # one row (sorted apart, the second group's sum would overwrite the first's).
+    flat = np.where(flat < 0, flat + num, flat)
     order = np.argsort(flat, kind="stable")
     sorted_idx = flat[order]
     starts = np.flatnonzero(np.r_[True, sorted_idx[1:] != sorted_idx[:-1]])

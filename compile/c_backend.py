@@ -228,23 +228,38 @@ void normalize_S(const T *x, T *out, int64_t r0, int64_t r1, int64_t C, double e
     }
 }
 
+/* dx of layer-norm's core from the gradient gr of its output. */
+static inline void dt_normalize_backward_row_S(const T *gr, const T *a, T *o, int64_t C,
+                                               double eps) {
+    T mean = dt_sum_S(a, C) / (T)C;
+    T rstd = dt_rstd_S(a, C, mean, (T)eps);
+    T gm = dt_sum_S(gr, C) / (T)C;
+    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= C; j += 8)
+        for (int k = 0; k < 8; k++) acc[k] += gr[j + k] * ((a[j + k] - mean) * rstd);
+    T gx = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < C; j++) gx += gr[j] * ((a[j] - mean) * rstd);
+    gx /= (T)C;
+    for (int64_t j = 0; j < C; j++)
+        o[j] = ((gr[j] - gm) - ((a[j] - mean) * rstd) * gx) * rstd;
+}
+
 void normalize_backward_S(const T *g, const T *x, T *out, int64_t r0, int64_t r1, int64_t C,
                           double eps) {
+    for (int64_t r = r0; r < r1; r++)
+        dt_normalize_backward_row_S(g + r * C, x + r * C, out + r * C, C, eps);
+}
+
+/* The same with the output's gradient g * w (a LayerNorm's weight along the row), the
+   product made a row at a time on the stack (C <= _WEIGHTED_ROW_MAX) instead of as a tensor of
+   its own. */
+void normalize_backward_w_S(const T *g, const T *w, const T *x, T *out, int64_t r0, int64_t r1,
+                            int64_t C, double eps) {
+    T gw[C];
     for (int64_t r = r0; r < r1; r++) {
-        const T *a = x + r * C, *gr = g + r * C;
-        T *o = out + r * C;
-        T mean = dt_sum_S(a, C) / (T)C;
-        T rstd = dt_rstd_S(a, C, mean, (T)eps);
-        T gm = dt_sum_S(gr, C) / (T)C;
-        T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        int64_t j = 0;
-        for (; j + 8 <= C; j += 8)
-            for (int k = 0; k < 8; k++) acc[k] += gr[j + k] * ((a[j + k] - mean) * rstd);
-        T gx = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (; j < C; j++) gx += gr[j] * ((a[j] - mean) * rstd);
-        gx /= (T)C;
-        for (int64_t j = 0; j < C; j++)
-            o[j] = ((gr[j] - gm) - ((a[j] - mean) * rstd) * gx) * rstd;
+        for (int64_t j = 0; j < C; j++) gw[j] = g[r * C + j] * w[j];
+        dt_normalize_backward_row_S(gw, x + r * C, out + r * C, C, eps);
     }
 }
 
@@ -604,7 +619,8 @@ class _Rowwise:
         self.C = self.shape[-1]
         self.R = int(np.prod(self.shape[:-1]))
         self.source = ""
-        n_in = 2 if name.endswith("_backward") else 1
+        self.weighted = name == "normalize_backward_w"
+        n_in = 3 if name == "normalize_backward_w" else 2 if name.endswith("_backward") else 1
         if name == "softmax":
             L = self.shape[-2] if len(self.shape) > 1 else 1
             self.tail = (self.C, L, int(bool(params.get("causal", False))))
@@ -617,7 +633,12 @@ class _Rowwise:
             self.argtypes = [_P] * (n_in + 1) + [_I] * 3
 
     def __call__(self, *inputs, out=None):
-        arrays = [np.ascontiguousarray(np.broadcast_to(x, self.shape)) for x in inputs]
+        if self.weighted:  # (g, w, x): w one row of C
+            g, w, x = inputs
+            arrays = [np.ascontiguousarray(np.broadcast_to(g, self.shape)),
+                      np.ascontiguousarray(np.reshape(w, -1)), np.ascontiguousarray(x)]
+        else:
+            arrays = [np.ascontiguousarray(np.broadcast_to(x, self.shape)) for x in inputs]
         out = np.empty(self.shape, self.dtype) if out is None else out
         if self.R and self.C:
             _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.R,
@@ -798,14 +819,47 @@ def _kernel_for(n: Node, name: str):
     return None
 
 
+_WEIGHTED_ROW_MAX = 8192  # normalize_backward_w's row of g * w lives on the stack
+
+
+def _weighted_gradient(n: Node, users: dict, outputs: set):
+    """(g, w) when a normalize_backward's gradient is only ever g * w with w one row of C (a
+    LayerNorm weight's gradient path), else None."""
+    from dtensor.compile.passes.fusion import pointwise_op
+    from dtensor.ops.registry import OPS
+    m = n.inputs[0] if (n.name == "normalize_backward" and n.fn is OPS[n.name].impl
+                        and n.inputs[1].dtype == n.dtype) else None
+    if not (isinstance(m, Node) and m.name == "mul" and pointwise_op(m) is not None
+            and len(users.get(m.id, ())) == 1 and m.id not in outputs
+            and n.shape and n.shape[-1] <= _WEIGHTED_ROW_MAX):
+        return None
+    def shape(a):
+        return tuple(a.shape) if isinstance(a, (Node, np.ndarray)) else None
+
+    for g, w in (m.inputs, m.inputs[::-1]):
+        if (shape(g) == tuple(n.shape) and shape(w) is not None and shape(w)[-1:] == n.shape[-1:]
+                and math.prod(shape(w)) == n.shape[-1] and g.dtype == w.dtype == n.dtype):
+            return g, w
+    return None
+
+
 def lower_graph(graph: Graph) -> list:
     """Give every node a C kernel can run its kernel (``node.fn``, with the params it is called
     with), all of the graph's kernels built as one library; returns [(node, kernel)]."""
+    users, outputs = graph.users(), {o.id for o in graph.outputs if isinstance(o, Node)}
+    weighted = {n.id: gw for n in graph.nodes
+                if (gw := _weighted_gradient(n, users, outputs)) is not None}
+    absorbed = {n.inputs[0].id for n in graph.nodes if n.id in weighted}  # their g * w
     found = []
     for n in graph.nodes:
-        k = _kernel_for(n, f"k{n.id}")
+        if n.id in weighted:
+            n.inputs = [*weighted[n.id], n.inputs[1]]
+            k = _Rowwise("normalize_backward_w", n.params, n.shape, n.dtype), {}
+        else:
+            k = None if n.id in absorbed else _kernel_for(n, f"k{n.id}")
         if k is not None:
             found.append((n, *k))
+    graph.nodes = [n for n in graph.nodes if n.id not in absorbed]
     if not found:
         return []
     lib = build(PRELUDE + "\n" + "".join(k.source for _, k, _ in found))

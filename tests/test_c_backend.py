@@ -83,6 +83,29 @@ def test_row_ops_in_both_float_types(dtype, rtol, shape):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol)
 
 
+@pytest.mark.parametrize("dtype,rtol", [(np.float32, 1e-5), (np.float64, 1e-12)])
+def test_layer_norm_backward_takes_the_weight_in_its_kernel(dtype, rtol):
+    """LayerNorm's input gradient needs the output's gradient times the weight: the C kernel
+    forms that product row by row instead of a multiply kernel writing it out first. Values
+    and all three gradients as eager."""
+    rng = np.random.default_rng(9)
+    x, w, b = (rng.standard_normal(s).astype(dtype) for s in ((4, 6, 40), (40,), (40,)))
+    g = rng.standard_normal((4, 6, 40)).astype(dtype)
+
+    def f(a, wt, bt):
+        for t in (a, wt, bt):
+            t.requires_grad = True
+        y = F.layer_norm(a, (40,), wt, bt)
+        return (y,) + dtensor.autograd.grad((y * dtensor.Tensor(g)).sum(), [a, wt, bt])
+
+    got, kernels = compiled(f, x, w, b)
+    want = [o.numpy() for o in f(*[dtensor.Tensor(a) for a in (x, w, b)])]
+    backward = [k for k in kernels if k.name == "normalize_backward"]
+    assert len(backward) == 1 and backward[0].fn.weighted and len(backward[0].inputs) == 3
+    for a, c in zip(got, want):
+        np.testing.assert_allclose(a, c, rtol=rtol, atol=rtol)
+
+
 def test_threads_split_rows_without_changing_a_bit(monkeypatch):
     """A kernel's rows split over 1, 2 or 3 threads (ranges of unequal length): the same bits,
     since every row is computed alone."""

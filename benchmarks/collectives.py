@@ -2,9 +2,10 @@
 
 All paths are measured in the same job, interleaved, on the same buffers; one JSON
 line per (collective, size, ranks) with median times, bus bandwidths and ratios (mpi4py time /
-dtensor time): ``ratio`` for dtensor's default fresh result array, ``ratio_out`` for ``out=`` a
-reused buffer, which is what the raw mpi4py call gets, and ``ratio_control`` for the raw call
-against itself (a second, identical path): how far apart two equal paths land on this machine.
+dtensor time, taken within each rep, the median over reps): ``ratio`` for dtensor's default
+fresh result array, ``ratio_out`` for ``out=`` a reused buffer, which is what the raw mpi4py
+call gets, and ``ratio_control`` for the raw call against itself (a second, identical path):
+how far apart two equal paths land on this machine.
 
     python benchmarks/collectives.py             # spawns 2 and 4 ranks itself
     dtlaunch --nproc 4 benchmarks/collectives.py # or one world size under dtlaunch
@@ -39,7 +40,7 @@ def run(repeats: int | None = None) -> list[dict]:
         full = np.ones(count, np.float32)
         part = np.ones(count // n, np.float32)
         out_full, out_part = np.empty_like(full), np.empty_like(part)
-        reps, iters = repeats or 21, 10 if mb <= 4 else 2
+        reps, iters = repeats or (41 if mb <= 4 else 21), 10 if mb <= 4 else 2
         # (dtensor with a fresh result, dtensor into a reused buffer, raw mpi4py, raw mpi4py
         # again as a control: its ratio to the first is this machine's noise floor)
         cases = {
@@ -70,6 +71,10 @@ def run(repeats: int | None = None) -> list[dict]:
                         paths[k]()
                     times[k].append((time.perf_counter() - t) / iters)
             fresh, reused, mpi, control = (statistics.median(ts) for ts in times)
+
+            def paired(ts):  # raw / path within each rep: the machine's drift between reps cancels
+                return round(statistics.median(m / t for m, t in zip(times[2], ts)), 3)
+
             nbytes = full.nbytes
             rows.append({
                 "bench": "collectives", "op": name, "ranks": n, "size_mb": mb,
@@ -77,8 +82,8 @@ def run(repeats: int | None = None) -> list[dict]:
                 "dtensor_out_ms": round(reused * 1e3, 3), "mpi4py_ms": round(mpi * 1e3, 3),
                 "dtensor_busbw_gbs": round(nbytes / fresh * factor / 1e9, 3),
                 "mpi4py_busbw_gbs": round(nbytes / mpi * factor / 1e9, 3),
-                "ratio": round(mpi / fresh, 3), "ratio_out": round(mpi / reused, 3),
-                "ratio_control": round(mpi / control, 3),
+                "ratio": paired(times[0]), "ratio_out": paired(times[1]),
+                "ratio_control": paired(times[3]),
             })
     return rows
 

@@ -288,17 +288,10 @@ void cross_entropy_backward_S(const T *g, const T *x, const int64_t *t, T *out, 
     }
 }
 
-/* The AdamW update of parameters q0..q1 (addresses in tab: p, g, m, v of each in turn) into
-   the rows of out (3, total); hp: 7 hyperparameters a parameter, numpy_backend's order. The
-   constants are rounded to T first, as numpy rounds a Python float against a T array.
-   The three results go out with non-temporal stores where the rows line up on 32 bytes: they
-   are not read again this step, and a plain store first reads each line of out from memory
-   (measured, the standard workload's 5.28M float parameters on one thread: 15-18 -> 12-13
-   ms). */
 /* index_add (an embedding's gradient): row i of g (n rows of C) added into row idx[i] - off
    of zeros (rows, C) when that row lies in [0, rows) (a vocab-parallel shard holds rows
-   off..off+rows), in order of i: the sums numpy's stable sort and reduceat make. Threads
-   split the columns [c0, c1), which keeps that order. */
+   off..off+rows), in order of i (numpy's reduceat associates a row's terms pairwise: the
+   sums agree to rounding). Threads split the columns [c0, c1). */
 void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off, int64_t rows,
                  int64_t C, int64_t c0, int64_t c1) {
     for (int64_t r = 0; r < rows; r++)
@@ -327,6 +320,13 @@ static inline void dt_adamw_rows_S(const T *restrict p, const T *restrict g,
     }
 }
 
+/* The AdamW update of parameters q0..q1 (addresses in tab: p, g, m, v of each in turn) into
+   the rows of out (3, total); hp: 7 hyperparameters a parameter, numpy_backend's order. The
+   constants are rounded to T first, as numpy rounds a Python float against a T array.
+   The three results go out with non-temporal stores where the rows line up on 32 bytes: they
+   are not read again this step, and a plain store first reads each line of out from memory
+   (measured, the standard workload's 5.28M float parameters on one thread: 15-18 -> 12-13
+   ms). */
 void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offsets,
                    const double *hp, T *out, int64_t total, int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; q++) {
@@ -620,7 +620,7 @@ class _Rowwise:
         self.R = int(np.prod(self.shape[:-1]))
         self.source = ""
         self.weighted = name == "normalize_backward_w"
-        n_in = 3 if name == "normalize_backward_w" else 2 if name.endswith("_backward") else 1
+        n_in = 3 if self.weighted else 2 if name.endswith("_backward") else 1
         if name == "softmax":
             L = self.shape[-2] if len(self.shape) > 1 else 1
             self.tail = (self.C, L, int(bool(params.get("causal", False))))
@@ -688,23 +688,17 @@ class _IndexAdd:
 
     accepts_out = True
 
-    def __init__(self, shape, dtype, off: int, whole: bool):
+    def __init__(self, shape, dtype, off: int, total_rows: int):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.rows, self.C = self.shape[0], math.prod(self.shape[1:])
-        self.off, self.whole = off, whole
+        self.off, self.total_rows = off, total_rows
         self.name = f"index_add_{_TYPE_DEFS[_CTYPE[self.dtype]][0]}"
         self.source = ""
         self.argtypes = [_P] * 3 + [_I] * 6
 
     def __call__(self, g, idx, like, out=None):
-        flat = np.asarray(idx).reshape(-1)
-        if self.whole and flat.size:  # numpy's index rules: -rows..rows-1
-            if flat.min() < -self.rows or flat.max() >= self.rows:
-                bad = flat[(flat < -self.rows) | (flat >= self.rows)][0]
-                raise IndexError(f"index {bad} is out of bounds for axis 0 with size "
-                                 f"{self.rows}")
-            flat = np.where(flat < 0, flat + self.rows, flat)
-        flat = np.ascontiguousarray(flat, dtype=np.int64)
+        from dtensor.ops.structural import wrap_rows
+        flat = np.ascontiguousarray(wrap_rows(idx, self.total_rows), dtype=np.int64)
         g = np.ascontiguousarray(g, dtype=self.dtype)
         out = np.empty(self.shape, self.dtype) if out is None else out
         n = min(num_threads(), -(-self.C // 8)) if flat.size * self.C >= _SPLIT_ELEMENTS else 1
@@ -777,11 +771,10 @@ def _index_add_for(n: Node):
     from dtensor.dtensor import _index_add_local, _rows
     from dtensor.ops.registry import OPS
     if n.fn is OPS["index_add"].impl:
-        return _IndexAdd(n.shape, n.dtype, 0, True), {}
+        return _IndexAdd(n.shape, n.dtype, 0, n.shape[0]), {}
     if isinstance(n.fn, functools.partial) and n.fn.func is _index_add_local:
-        off, rows = _rows(n.fn.keywords["out_spec"], 0)
-        if rows == n.shape[0]:
-            return _IndexAdd(n.shape, n.dtype, off, False), {}
+        spec = n.fn.keywords["out_spec"]
+        return _IndexAdd(n.shape, n.dtype, _rows(spec, 0)[0], spec.shape[0]), {}
     return None
 
 
@@ -828,6 +821,7 @@ def _weighted_gradient(n: Node, users: dict, outputs: set):
     from dtensor.compile.passes.fusion import pointwise_op
     from dtensor.ops.registry import OPS
     m = n.inputs[0] if (n.name == "normalize_backward" and n.fn is OPS[n.name].impl
+                        and n.dtype in (np.float32, np.float64)
                         and n.inputs[1].dtype == n.dtype) else None
     if not (isinstance(m, Node) and m.name == "mul" and pointwise_op(m) is not None
             and len(users.get(m.id, ())) == 1 and m.id not in outputs

@@ -446,7 +446,8 @@ def _index_select_local(w, idx, *, in_specs, out_spec):
         return np.take(w, idx, axis=0)
     if n == 0:  # an empty trailing shard holds none of the rows
         return np.zeros(_local_block(out_spec)[0], w.dtype)
-    rel = idx - off  # vocab-parallel lookup: rows outside this block contribute zeros (Partial)
+    # vocab-parallel lookup: rows outside this block contribute zeros (Partial)
+    rel = structural.wrap_rows(idx, in_specs[0].shape[0]).reshape(np.shape(idx)) - off
     hit = (rel >= 0) & (rel < n)
     out = np.take(w, np.where(hit, rel, 0), axis=0)
     out *= hit.reshape(hit.shape + (1,) * (w.ndim - 1))
@@ -457,7 +458,8 @@ def _index_add_local(g, idx, like, *, in_specs, out_spec):
     off, n = _rows(out_spec, 0)
     if n == 0:
         return np.zeros(_local_block(out_spec)[0], g.dtype)
-    rel = idx - off  # vocab-parallel gradient: only the rows this rank holds
+    # vocab-parallel gradient: only the rows this rank holds
+    rel = structural.wrap_rows(idx, out_spec.shape[0]).reshape(np.shape(idx)) - off
     hit = (rel >= 0) & (rel < n)
     rows = g.reshape((idx.size,) + g.shape[idx.ndim:])[hit.reshape(-1)]
     return structural.index_add_rows(rows, rel[hit], n)

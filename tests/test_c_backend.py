@@ -107,22 +107,27 @@ def test_layer_norm_backward_takes_the_weight_in_its_kernel(dtype, rtol):
 
 
 def test_threads_split_rows_without_changing_a_bit(monkeypatch):
-    """A kernel's rows split over 1, 2 or 3 threads (ranges of unequal length): the same bits,
-    since every row is computed alone."""
+    """A kernel's rows (or an embedding gradient's columns) split over 1, 2 or 3 threads
+    (ranges of unequal length): the same bits, since every row (column) is computed alone."""
     rng = np.random.default_rng(2)
     x = rng.standard_normal((600, 700)).astype(np.float32)
-    t = rng.integers(0, 700, 600)
+    w, ln_w = (rng.standard_normal(s).astype(np.float32) for s in ((300, 700), (700,)))
+    t, idx = rng.integers(0, 700, 600), rng.integers(0, 300, (600, 5))
 
-    def f(a):
-        a.requires_grad = True
-        loss = F.cross_entropy(F.gelu(nnops.normalize(a, eps=1e-5)), t)
-        return (loss,) + dtensor.autograd.grad(loss, [a])
+    def f(a, emb, lw):
+        for p in (a, emb, lw):
+            p.requires_grad = True
+        h = a + F.embedding(dtensor.Tensor(idx), emb).sum(axis=1)
+        loss = F.cross_entropy(F.gelu(F.layer_norm(h, (700,), lw)), t)
+        return (loss,) + dtensor.autograd.grad(loss, [a, emb, lw])
 
     outs = []
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("DTENSOR_NUM_THREADS", threads)
         assert c_backend.num_threads() == int(threads)
-        outs.append(compiled(f, x)[0])
+        got, kernels = compiled(f, x, w, ln_w)
+        assert {"index_add", "normalize_backward"} <= {k.name for k in kernels}
+        outs.append(got)
     for other in outs[1:]:
         for a, b in zip(other, outs[0]):
             np.testing.assert_array_equal(a, b)

@@ -319,6 +319,32 @@ def test_a_sharded_broadcast_moves_nothing_and_dying_partials_reduce_in_place(ra
     assert donated == ["matmul"], str(graph)
 
 
+def test_two_split_broadcasts_meeting_keep_the_shape():
+    """Two split broadcasts added together: reading both (rows, 1) sources would shrink the add
+    to (rows, 1), so one of them stays a full-shape broadcast_to view."""
+    from dtensor.compile.graph import Graph
+    from dtensor.compile.passes import shard_broadcasts
+    from dtensor.dtensor import DTensorSpec
+    from dtensor.placements import Replicate, Shard
+
+    mesh = dtensor.init_device_mesh("cpu", (1,))
+    spec = DTensorSpec(mesh, (Replicate(),), (4, 6), np.dtype(np.float64))
+    g = Graph()
+    split = []
+    for name in ("a", "b"):
+        col = g.new("input", name, shape=(4, 1), dtype=np.float64)
+        wide = g.new("op", "broadcast_to", [col], {"shape": (4, 6)}, (4, 6), np.float64,
+                     fn=OPS["broadcast_to"].impl)
+        split.append(g.new("comm", "redistribute", [wide],
+                           {"spec": spec, "placements": (Shard(1),)}, (4, 6), np.float64))
+    total = g.new("op", "add", split, {}, (4, 6), np.float64, fn=OPS["add"].impl)
+    g.outputs = [total]
+    shard_broadcasts(g)
+    assert not any(n.kind == "comm" for n in g.nodes), str(g)
+    assert np.broadcast_shapes(*[a.shape for a in total.inputs]) == (4, 6), str(g)
+    assert all(a in g.nodes or a in g.inputs for a in total.inputs), str(g)
+
+
 def test_model_and_optimizer_found_through_self_attributes():
     """A bound method of a trainer object: its model and optimizer are found as attributes."""
     class Trainer:

@@ -27,32 +27,45 @@ def shard_broadcasts(graph: Graph) -> Graph:
     """A Replicate -> Shard redistribute of a broadcast along the split dims (the gradient of a
     sum over a sharded dim: a (rows, 1) column broadcast to (rows, vocab)) moves no data: each
     rank broadcasts the source to its own block. Pointwise users with another full-shape input
-    read the source as it is (they broadcast it themselves, and a fused kernel reads it by its
-    strides); otherwise the redistribute becomes a broadcast_to view. Eager slices the
-    broadcast view, which is no copy either."""
+    that stays full read the source as it is (they broadcast it themselves, and a fused kernel
+    reads it by its strides); otherwise the redistribute becomes a broadcast_to view. Eager
+    slices the broadcast view, which is no copy either."""
     from dtensor.compile.passes.fusion import pointwise_op
     from dtensor.ops.registry import OPS
     users = graph.users()
     outputs = {o.id for o in graph.outputs if isinstance(o, Node)}
+    new: dict[int, object] = {}  # redistribute id -> what replaces it
 
-    def reads_broadcast(u, n):  # u broadcasts n's source itself and keeps its own shape
-        return pointwise_op(u) is not None and any(
-            a is not n and tuple(np.shape(a) if not isinstance(a, Node) else a.shape) == u.shape
-            for a in u.inputs if isinstance(a, (Node, np.ndarray)))
+    def resolve(a):
+        while isinstance(a, Node) and a.id in new and new[a.id] is not a:
+            a = new[a.id]
+        return a
 
-    new: dict[int, object] = {}
-    for i, n in enumerate(graph.nodes):
+    def source(n):  # the broadcast's source if n is such a redistribute, else None
         src = n.inputs[0] if n.kind == "comm" and n.inputs else None
         if not (isinstance(src, Node) and src.kind == "op" and src.name == "broadcast_to"
                 and src.fn is OPS["broadcast_to"].impl):
-            continue
+            return None
         changed = [(a, b) for a, b in zip(n.params["spec"].placements, n.params["placements"])
                    if a != b]
-        base = src.inputs[0]
+        base = resolve(src.inputs[0])
         shape = tuple(base.shape if isinstance(base, Node) else np.shape(base))
-        base_shape = (1,) * (len(src.shape) - len(shape)) + shape
-        if not changed or not all(isinstance(a, Replicate) and isinstance(b, Shard)
-                                  and base_shape[b.dim] == 1 for a, b in changed):
+        padded = (1,) * (len(src.shape) - len(shape)) + shape
+        if changed and all(isinstance(a, Replicate) and isinstance(b, Shard)
+                           and padded[b.dim] == 1 for a, b in changed):
+            return base
+        return None
+
+    candidates = {n.id for n in graph.nodes if source(n) is not None}
+
+    def reads_broadcast(u, n):  # u broadcasts n's source itself and keeps its own shape
+        return pointwise_op(u) is not None and any(
+            a is not n and (not isinstance(a, Node) or a.id not in candidates)
+            and tuple(a.shape) == u.shape for a in u.inputs if isinstance(a, (Node, np.ndarray)))
+
+    for i, n in enumerate(graph.nodes):
+        base = source(n) if n.id in candidates else None
+        if base is None:
             continue
         if n.id not in outputs and all(reads_broadcast(u, n) for u in users.get(n.id, ())):
             new[n.id] = base
@@ -63,8 +76,8 @@ def shard_broadcasts(graph: Graph) -> Graph:
     if new:
         graph.nodes = [n for n in graph.nodes if new.get(n.id, n) is n]
         for n in graph.nodes:
-            n.inputs = [new.get(a.id, a) if isinstance(a, Node) else a for a in n.inputs]
-        graph.outputs = [new.get(o.id, o) if isinstance(o, Node) else o for o in graph.outputs]
+            n.inputs = [resolve(a) for a in n.inputs]
+        graph.outputs = [resolve(o) for o in graph.outputs]
     return graph
 
 

@@ -173,17 +173,28 @@ index_select = defop(
     linearity="all", shard="index_select", lower="extern:take", nondiff=(1,))
 
 
+def wrap_rows(idx, num: int) -> np.ndarray:
+    """``idx`` flattened, as rows of ``num`` the way the lookup's np.take reads them: -num ..
+    num - 1, a negative one counted from the end; any other is numpy's IndexError."""
+    flat = np.asarray(idx).reshape(-1)
+    if flat.size and (flat.min() < -num or flat.max() >= num):
+        bad = flat[(flat < -num) | (flat >= num)][0]
+        raise IndexError(f"index {bad} is out of bounds for axis 0 with size {num}")
+    if flat.dtype.kind == "i" and flat.size and flat.min() < 0:
+        flat = np.where(flat < 0, flat.astype(np.intp) + num, flat)  # (intp: no overflow)
+    return flat
+
+
 def index_add_rows(g, idx, num):
     """Rows of ``g`` summed into row ``idx`` of zeros((num, ...))."""
     # Sort the indices and sum runs of equal ones with reduceat: ~10x faster than np.add.at.
     rows = g.reshape((idx.size,) + g.shape[idx.ndim:])  # (-1) is ambiguous when empty
-    flat = idx.reshape(-1)
+    # -1 and num - 1 are one row (sorted apart, the second group's sum would overwrite the
+    # first's).
+    flat = wrap_rows(idx, num)
     out = np.zeros((num,) + rows.shape[1:], g.dtype)
     if flat.size == 0:
         return out
-    # A negative index counts from the end, as the lookup's np.take does; -1 and num - 1 are
-    # one row (sorted apart, the second group's sum would overwrite the first's).
-    flat = np.where(flat < 0, flat + num, flat)
     order = np.argsort(flat, kind="stable")
     sorted_idx = flat[order]
     starts = np.flatnonzero(np.r_[True, sorted_idx[1:] != sorted_idx[:-1]])

@@ -15,6 +15,7 @@ all_reduce S/t * 2(n-1)/n; all_gather and reduce_scatter S/t * (n-1)/n.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -40,7 +41,7 @@ def run(repeats: int | None = None) -> list[dict]:
         full = np.ones(count, np.float32)
         part = np.ones(count // n, np.float32)
         out_full, out_part = np.empty_like(full), np.empty_like(part)
-        reps, iters = repeats or (41 if mb <= 4 else 21), 10 if mb <= 4 else 2
+        reps, iters = repeats or (48 if mb <= 4 else 24), 10 if mb <= 4 else 2
         # (dtensor with a fresh result, dtensor into a reused buffer, raw mpi4py, raw mpi4py
         # again as a control: its ratio to the first is this machine's noise floor)
         cases = {
@@ -60,11 +61,13 @@ def run(repeats: int | None = None) -> list[dict]:
             times: list[list[float]] = [[] for _ in paths]
             for f in paths:
                 f()  # warm up every path
-            # Blocks of calls after a barrier, interleaved and rotating which path goes first:
-            # drift and cache warmth on a shared machine hit all paths alike.
+            # Blocks of calls after a barrier, interleaved, each rep in the next of the 24
+            # orders of the four paths: drift hits all paths alike, and each path follows each
+            # other equally often (a fixed order rotated would always run the reused-buffer
+            # path right after the fresh one, whose 4 MB result pushed the buffer out of cache).
+            orders = list(itertools.permutations(range(len(paths))))
             for rep in range(reps):
-                for j in range(len(paths)):
-                    k = (j + rep) % len(paths)
+                for k in orders[rep % len(orders)]:
                     raw.Barrier()
                     t = time.perf_counter()
                     for _ in range(iters):

@@ -18,6 +18,7 @@ not listed stay numpy calls.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -766,8 +767,6 @@ def _pointwise_ok(ops, in_dtypes, dtype) -> bool:
 
 def _index_add_for(n: Node):
     """The whole index_add op, or DTensor's local block of it (dtensor/dtensor.py)."""
-    import functools
-
     from dtensor.dtensor import _index_add_local, _rows
     from dtensor.ops.registry import OPS
     if n.fn is OPS["index_add"].impl:

@@ -177,10 +177,13 @@ def wrap_rows(idx, num: int) -> np.ndarray:
     """``idx`` flattened, as rows of ``num`` the way the lookup's np.take reads them: -num ..
     num - 1, a negative one counted from the end; any other is numpy's IndexError."""
     flat = np.asarray(idx).reshape(-1)
-    if flat.size and (flat.min() < -num or flat.max() >= num):
+    if not flat.size:
+        return flat
+    lo, hi = flat.min(), flat.max()
+    if lo < -num or hi >= num:
         bad = flat[(flat < -num) | (flat >= num)][0]
         raise IndexError(f"index {bad} is out of bounds for axis 0 with size {num}")
-    if flat.dtype.kind == "i" and flat.size and flat.min() < 0:
+    if lo < 0:
         flat = np.where(flat < 0, flat.astype(np.intp) + num, flat)  # (intp: no overflow)
     return flat
 

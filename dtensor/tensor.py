@@ -6,6 +6,7 @@ inherit it, behave exactly like Tensor under the same user code.
 from __future__ import annotations
 
 import builtins
+import math
 import sys
 from typing import Any, Sequence
 
@@ -60,14 +61,14 @@ def _resolve_reshape(numel: int, old: tuple, shape: tuple) -> tuple[int, ...]:
     if shape.count(-1) > 1:
         raise ValueError(f"reshape: only one dim may be -1, got {shape}.")
     if -1 in shape:
-        known = int(np.prod([n for n in shape if n != -1]))
+        known = math.prod([n for n in shape if n != -1])
         if known == 0 or numel % known:
             raise ValueError(f"cannot reshape a tensor of shape {old} ({numel} elements) "
                              f"into {shape}.")
         shape = tuple(numel // known if n == -1 else n for n in shape)
-    if int(np.prod(shape)) != numel:
+    if math.prod(shape) != numel:
         raise ValueError(f"cannot reshape a tensor of shape {old} ({numel} elements) into "
-                         f"{shape} ({int(np.prod(shape))} elements).")
+                         f"{shape} ({math.prod(shape)} elements).")
     return shape
 
 
@@ -186,12 +187,12 @@ class TensorMethods:
 
     def mean(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
         axis = _axes(dim if dim is not None else axis, self.ndim)
-        n = int(np.prod([self.shape[a] for a in axis]))
+        n = math.prod([self.shape[a] for a in axis])
         return self.sum(axis, keepdims or keepdim) / n
 
     def var(self, axis=None, keepdims=False, *, correction=1, dim=None, keepdim=None):
         axis = _axes(dim if dim is not None else axis, self.ndim)
-        n = int(np.prod([self.shape[a] for a in axis]))
+        n = math.prod([self.shape[a] for a in axis])
         d = self - self.mean(axis, keepdims=True)
         return (d * d).sum(axis, keepdims or keepdim) / builtins.max(n - correction, 1)
 
@@ -211,7 +212,7 @@ class TensorMethods:
         return len(self.shape)
 
     def numel(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
 
     def size(self, dim: int | None = None):
         return tuple(self.shape) if dim is None else self.shape[dim]

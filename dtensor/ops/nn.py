@@ -136,10 +136,10 @@ def _gelu_erf_grad_block(out, g, x, y):
     # d/dx [x Phi(x)] = Phi(x) + x pdf(x)
     with np.errstate(divide="ignore", invalid="ignore"):
         phi = y / x
-    taylor = x * _INV_SQRT_2PI
-    taylor += 0.5
-    phi = np.where(np.abs(x) < _NEAR_ZERO[x.itemsize], taylor, phi)
-    e = np.multiply(x, x, out=taylor)
+    e = np.multiply(x, x)
+    near = e < _NEAR_ZERO[x.itemsize] ** 2  # rare: a masked copy, not a where (~5x dearer)
+    if near.any():
+        np.copyto(phi, x * _INV_SQRT_2PI + 0.5, where=near)
     e *= -0.5
     np.exp(e, out=e)
     e *= _INV_SQRT_2PI
@@ -196,24 +196,34 @@ gelu_backward = defop(
 # ---------------------------------------------------------------- softmax over the last dim
 
 
+def _row_sums(x):
+    """Sums over the last dim, kept as a dim of 1: a BLAS matrix-vector product, ~3x faster
+    than ``x.sum(axis=-1)`` on rows of a few hundred (numpy reduces each row on its own)."""
+    return (x @ np.ones(x.shape[-1], x.dtype))[..., None]
+
+
+def _row_means(x):
+    return (x @ np.full(x.shape[1], 1.0 / max(x.shape[1], 1), x.dtype))[:, None]
+
+
 def _softmax_block(out, x):
-    m = x.max(axis=1, keepdims=True)
+    m = x.max(axis=-1, keepdims=True)
     np.subtract(x, m, out=out)
     np.exp(out, out=out)
-    out /= out.sum(axis=1, keepdims=True)
+    out /= _row_sums(out)
 
 
 def _log_softmax_block(out, x):
     m = x.max(axis=1, keepdims=True)
     np.subtract(x, m, out=out)
     e = np.exp(out)
-    out -= np.log(e.sum(axis=1, keepdims=True))
+    out -= np.log(_row_sums(e))
 
 
 def _softmax_backward_block(out, g, y):
     # dx = y * (g - sum(g * y)): the Jacobian of softmax is diag(y) - y y^T.
     np.multiply(g, y, out=out)
-    s = out.sum(axis=1, keepdims=True)
+    s = _row_sums(out)
     np.subtract(g, s, out=out)
     out *= y
 
@@ -221,7 +231,7 @@ def _softmax_backward_block(out, g, y):
 def _log_softmax_backward_block(out, g, logp):
     # dx = g - softmax * sum(g)
     np.exp(logp, out=out)
-    out *= g.sum(axis=1, keepdims=True)
+    out *= _row_sums(g)
     np.subtract(g, out, out=out)
 
 
@@ -282,8 +292,7 @@ log_softmax_backward = defop(
 
 
 def _normalize_stats(x, eps):
-    mean = x.mean(axis=1, keepdims=True)
-    d = x - mean
+    d = x - _row_means(x)
     rstd = np.einsum("ij,ij->i", d, d)[:, None]  # sum of squares without a temporary
     rstd /= x.shape[1]
     rstd += eps
@@ -302,7 +311,7 @@ def _normalize_backward_block(out, g, x, eps):
     d, rstd = _normalize_stats(x, eps)
     d *= rstd  # xhat
     n = x.shape[1]
-    gm = g.mean(axis=1, keepdims=True)
+    gm = _row_means(g)
     gx = np.einsum("ij,ij->i", g, d)[:, None]
     gx /= n
     d *= gx
@@ -332,7 +341,7 @@ def _lse_block(x):
     m = x.max(axis=1, keepdims=True)
     e = x - m
     np.exp(e, out=e)
-    return m, e.sum(axis=1, keepdims=True), e
+    return m, _row_sums(e), e
 
 
 def _rows(x, target):

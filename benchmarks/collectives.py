@@ -41,7 +41,7 @@ def run(repeats: int | None = None) -> list[dict]:
         full = np.ones(count, np.float32)
         part = np.ones(count // n, np.float32)
         out_full, out_part = np.empty_like(full), np.empty_like(part)
-        reps, iters = repeats or (48 if mb <= 4 else 24), 10 if mb <= 4 else 2
+        reps, iters = repeats or (96 if mb <= 4 else 72), 10 if mb <= 4 else 2
         # (dtensor with a fresh result, dtensor into a reused buffer, raw mpi4py, raw mpi4py
         # again as a control: its ratio to the first is this machine's noise floor)
         cases = {

@@ -68,6 +68,10 @@ class _Logs(threading.local):
 
 
 _logs = _Logs()
+# Open count_collectives() blocks over all threads: the collectives test this plain global
+# first, a thread-local lookup only when some block is open (see _ready on why it matters).
+_LOGGING = 0
+_LOGGING_LOCK = threading.Lock()
 
 
 @contextmanager
@@ -80,11 +84,16 @@ def count_collectives() -> Iterator[CollectiveLog]:
         >>> log.count("all_reduce")
         1
     """
+    global _LOGGING
     log = CollectiveLog()
     _logs.active = _logs.active + [log]
+    with _LOGGING_LOCK:
+        _LOGGING += 1
     try:
         yield log
     finally:
+        with _LOGGING_LOCK:
+            _LOGGING -= 1
         _logs.active = [x for x in _logs.active if x is not log]
 
 
@@ -135,7 +144,25 @@ _DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int8
                                           "int32", "int64", "uint8", "bool"))
 
 
+# numpy's builtin dtypes are singletons: id() tells a supported one without hashing a dtype.
+_DTYPE_IDS = frozenset(id(d) for d in _DTYPES)
+
+
+def _ready(x) -> bool:
+    """Whether ``x`` goes to MPI as it is: a C-contiguous ndarray of a supported builtin dtype.
+
+    The collectives' Python runs right after the previous large collective's copies have
+    flushed the CPU caches, where every distinct numpy attribute read or helper costs
+    microseconds (a 4 MB all_gather at 2 ranks lost 3-5% to ~1 us of hot-cache Python;
+    benchmarks/collectives.py). So the common case reads as few as it can: dtype identity,
+    one flags read, each array's shape once.
+    """
+    return type(x) is np.ndarray and id(x.dtype) in _DTYPE_IDS and x.flags.c_contiguous
+
+
 def _contig(x) -> np.ndarray:
+    if _ready(x):
+        return x
     x = np.asarray(x)
     if x.dtype not in _DTYPES:
         raise TypeError(f"collectives take numeric numpy arrays, got dtype {x.dtype}.")
@@ -217,8 +244,10 @@ _RESULTS = _Results()
 
 def _out(out, shape, dtype, what: str) -> np.ndarray:
     if out is None:
-        return _RESULTS.take(tuple(shape), np.dtype(dtype))
-    if out.shape != tuple(shape) or out.dtype != dtype or not out.flags.c_contiguous:
+        return _RESULTS.take(shape, dtype)
+    if out.dtype is dtype and out.shape == shape and out.flags.c_contiguous:
+        return out
+    if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
         raise ValueError(f"{what}: out must be a C-contiguous {np.dtype(dtype)} array of shape "
                          f"{tuple(shape)}, got {out.dtype} {out.shape}.")
     return out
@@ -254,6 +283,7 @@ class Comm:
         self.size: int = mpi_comm.Get_size()
         self.ranks = ranks
         self._groups: dict[tuple, Comm] = {}
+        _mpi()  # the collectives read _MPI (IN_PLACE) without a call
         self._check = os.environ.get("DTENSOR_COMM_CHECK", "0") not in ("0", "")
 
     def __repr__(self) -> str:
@@ -266,10 +296,14 @@ class Comm:
             for log in _logs.active:
                 log.events.append(ev)
 
-    def _op(self, op: str):
+    @staticmethod
+    def _op(op: str):
+        mpi_op = _REDUCE.get(op)
+        if mpi_op is not None:
+            return mpi_op
         if op not in REDUCE_OPS:
             raise ValueError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}.")
-        return _REDUCE[op] if _REDUCE else _reduce_table()[op]
+        return _reduce_table()[op]
 
     def _agree(self, what: str, mine: tuple) -> None:
         """With DTENSOR_COMM_CHECK=1: every rank checks that its peers passed matching buffers.
@@ -301,18 +335,22 @@ class Comm:
         ``out=x`` reduces in place (MPI_IN_PLACE: no copy of x into the result first).
         """
         x = _contig(x)
+        dtype = x.dtype
         mpi_op = self._op(op)
-        if op == "avg" and x.dtype.kind != "f":
-            raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {x.dtype}.")
+        if op == "avg" and dtype.kind != "f":
+            raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {dtype}.")
         if self._check:
-            self._agree("all_reduce", (str(x.dtype), x.shape, op))
-        self._record("all_reduce", x.nbytes, x.dtype)
-        send = _mpi().IN_PLACE if out is x else x
-        out = _out(out, x.shape, x.dtype, "all_reduce")
+            self._agree("all_reduce", (str(dtype), x.shape, op))
+        if _LOGGING:
+            self._record("all_reduce", x.nbytes, dtype)
+        if out is x:
+            send = _MPI.IN_PLACE
+        else:
+            send, out = x, _out(out, x.shape, dtype, "all_reduce")
         if async_op:
             return Work(self._c.Iallreduce(send, out, op=mpi_op), lambda: self._avg(out, op))
         self._c.Allreduce(send, out, op=mpi_op)
-        return self._avg(out, op)
+        return out if op != "avg" else self._avg(out, op)
 
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None,
                    async_op: bool = False, out: np.ndarray | None = None):
@@ -326,20 +364,28 @@ class Comm:
         # The even, axis-0 path does no more Python than it must: on this machine a rank's
         # microseconds before a collective cost its peers several times that in waiting.
         x = _contig(x)
-        axis %= max(x.ndim, 1)
+        shape, dtype = x.shape, x.dtype
+        if axis:
+            axis %= max(len(shape), 1)
         if sizes is None:
-            total, even = x.shape[axis] * self.size, True
+            total, even = shape[axis] * self.size, True
         else:
             sizes = [int(s) for s in sizes]
-            self._check_sizes("all_gather", sizes, x.shape[axis])
+            self._check_sizes("all_gather", sizes, shape[axis])
             total, even = sum(sizes), len(set(sizes)) == 1
         if self._check:
-            self._agree("all_gather", (str(x.dtype), x.shape[:axis] + x.shape[axis + 1:]))
-        if out is not None and axis:
-            raise ValueError("all_gather(out=...) needs axis=0; gather along dim 0 and move it.")
-        front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
-        out = _out(out, (total,) + front.shape[1:], x.dtype, "all_gather")
-        self._record("all_gather", out.nbytes, x.dtype)
+            self._agree("all_gather", (str(dtype), shape[:axis] + shape[axis + 1:]))
+        if axis:
+            if out is not None:
+                raise ValueError("all_gather(out=...) needs axis=0; gather along dim 0 and "
+                                 "move it.")
+            front = np.ascontiguousarray(np.moveaxis(x, axis, 0))
+            shape = front.shape
+        else:
+            front = x
+        out = _out(out, (total,) + shape[1:], dtype, "all_gather")
+        if _LOGGING:
+            self._record("all_gather", out.nbytes, dtype)
         # Equal sizes take Allgather: MPICH's Allgatherv algorithms are several times slower.
         if even:
             req = (self._c.Iallgather if async_op else self._c.Allgather)(front, out)
@@ -366,27 +412,34 @@ class Comm:
             out: an optional preallocated result buffer (``axis=0`` only).
         """
         x = _contig(x)
-        axis %= max(x.ndim, 1)
+        shape, dtype = x.shape, x.dtype
+        if axis:
+            axis %= max(len(shape), 1)
         mpi_op = self._op(op)
         if sizes is None:
-            n = x.shape[axis] // self.size
-            if n * self.size != x.shape[axis]:
-                _even_sizes(x.shape[axis], self.size, "reduce_scatter")  # raises, says how
+            n = shape[axis] // self.size
+            if n * self.size != shape[axis]:
+                _even_sizes(shape[axis], self.size, "reduce_scatter")  # raises, says how
             mine, even = n, True
         else:
             sizes = [int(s) for s in sizes]
-            if sum(sizes) != x.shape[axis] or len(sizes) != self.size:
+            if sum(sizes) != shape[axis] or len(sizes) != self.size:
                 raise ValueError(f"reduce_scatter: sizes {sizes} must have one entry per rank "
                                  f"({self.size}) and add up to dim {axis} of size "
-                                 f"{x.shape[axis]}.")
+                                 f"{shape[axis]}.")
             mine, even = sizes[self.rank], len(set(sizes)) == 1
         if self._check:
-            self._agree("reduce_scatter", (str(x.dtype), x.shape, op))
-        self._record("reduce_scatter", x.nbytes, x.dtype)
-        if out is not None and axis:
-            raise ValueError("reduce_scatter(out=...) needs axis=0.")
-        front = np.ascontiguousarray(np.moveaxis(x, axis, 0)) if axis else x
-        out = _out(out, (mine,) + front.shape[1:], x.dtype, "reduce_scatter")
+            self._agree("reduce_scatter", (str(dtype), shape, op))
+        if _LOGGING:
+            self._record("reduce_scatter", x.nbytes, dtype)
+        if axis:
+            if out is not None:
+                raise ValueError("reduce_scatter(out=...) needs axis=0.")
+            front = np.ascontiguousarray(np.moveaxis(x, axis, 0))
+            shape = front.shape
+        else:
+            front = x
+        out = _out(out, (mine,) + shape[1:], dtype, "reduce_scatter")
         if even:
             call = self._c.Ireduce_scatter_block if async_op else self._c.Reduce_scatter_block
             req = call(front, out, op=mpi_op)
@@ -395,7 +448,7 @@ class Comm:
             call = self._c.Ireduce_scatter if async_op else self._c.Reduce_scatter
             req = call(front, out, [s * row for s in sizes], op=mpi_op)
         if not (async_op or axis):
-            return self._avg(out, op)
+            return out if op != "avg" else self._avg(out, op)
 
         def finish():
             res = self._avg(out, op)

@@ -188,3 +188,49 @@ def test_bad_input_is_a_clear_error_on_every_rank(comm, rank):
             comm.all_reduce(np.ones(3 + rank))
     finally:
         comm._check = False
+
+
+@pytest.mark.ranks(2)
+def test_out_buffers_are_checked_and_non_builtin_dtypes_take_the_slow_path(comm, rank):
+    x = np.arange(4, dtype=np.float32) + rank
+    # A dtype equal to float32 but not numpy's float32 singleton (it carries metadata) is not
+    # the identity fast path's, and still works.
+    tagged = np.dtype(np.float32, metadata={"unit": "m"})
+    out = np.empty(8, tagged)
+    assert comm.all_gather(x, out=out) is out
+    np.testing.assert_array_equal(out, np.r_[np.arange(4), np.arange(4) + 1])
+    np.testing.assert_array_equal(comm.all_reduce(x.astype(tagged)), 2 * np.arange(4) + 1)
+    for bad in (np.empty(7, np.float32), np.empty(8, np.float64), np.empty((2, 8))[:, ::2]):
+        with pytest.raises(ValueError, match=r"all_gather: out must be a C-contiguous float32 "
+                                             r"array of shape \(8,\)"):
+            comm.all_gather(x, out=bad)
+    with pytest.raises(ValueError, match=r"reduce_scatter: out must be .* shape \(2,\)"):
+        comm.reduce_scatter(x, out=np.empty(4, np.float32))
+    with pytest.raises(ValueError, match=r"all_reduce: out must be .* shape \(4,\)"):
+        comm.all_reduce(x, out=np.empty(3, np.float32))
+    # A transposed (F-ordered) input is gathered in its logical (C) order.
+    base = np.arange(6, dtype=np.float64).reshape(2, 3).T
+    gathered = comm.all_gather(base + 10 * rank)
+    np.testing.assert_array_equal(gathered, np.concatenate([base, base + 10]))
+
+
+def test_count_collectives_records_only_its_own_thread():
+    import threading
+
+    from dtensor import comm as comm_module
+    world = comm_module.get_world()
+    x = np.ones(3)
+    with count_collectives() as log:
+        with count_collectives() as inner:
+            world.all_reduce(x)
+        other = threading.Thread(target=lambda: world.all_reduce(x))
+        other.start()
+        other.join()
+        world.all_gather(x)
+    assert [e.kind for e in log.events] == ["all_reduce", "all_gather"]
+    assert [e.kind for e in inner.events] == ["all_reduce"]
+    assert comm_module._LOGGING == 0  # every block closed: the hot path skips the lookup
+    with count_collectives() as after:
+        pass
+    world.all_reduce(x)
+    assert after.events == []

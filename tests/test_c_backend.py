@@ -109,6 +109,7 @@ def test_layer_norm_backward_takes_the_weight_in_its_kernel(dtype, rtol):
 def test_threads_split_rows_without_changing_a_bit(monkeypatch):
     """A kernel's rows (or an embedding gradient's columns) split over 1, 2 or 3 threads
     (ranges of unequal length): the same bits, since every row (column) is computed alone."""
+    monkeypatch.setattr(c_backend, "_SPLIT_ELEMENTS", 1 << 14)  # every kernel here splits
     rng = np.random.default_rng(2)
     x = rng.standard_normal((600, 700)).astype(np.float32)
     w, ln_w = (rng.standard_normal(s).astype(np.float32) for s in ((300, 700), (700,)))

@@ -216,7 +216,7 @@ def _row_means(x):
 
 
 def _softmax_block(out, x):
-    m = x.max(axis=-1, keepdims=True)
+    m = x.max(axis=1, keepdims=True)
     np.subtract(x, m, out=out)
     np.exp(out, out=out)
     out /= _row_sums(out)

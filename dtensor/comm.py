@@ -152,10 +152,10 @@ def _ready(x) -> bool:
     """Whether ``x`` goes to MPI as it is: a C-contiguous ndarray of a supported builtin dtype.
 
     The collectives' Python runs right after the previous large collective's copies have
-    flushed the CPU caches, where every distinct numpy attribute read or helper costs
-    microseconds (a 4 MB all_gather at 2 ranks lost 3-5% to ~1 us of hot-cache Python;
-    benchmarks/collectives.py). So the common case reads as few as it can: dtype identity,
-    one flags read, each array's shape once.
+    flushed the CPU caches. Their path takes ~1.5 us with warm caches but 10-30 us there,
+    where every distinct numpy attribute read or helper call misses (it cost a 4 MB all_gather
+    at 2 ranks 3-5%; benchmarks/collectives.py). So the common case reads as few as it can:
+    dtype identity, one flags read, each array's shape once.
     """
     return type(x) is np.ndarray and id(x.dtype) in _DTYPE_IDS and x.flags.c_contiguous
 
@@ -245,11 +245,12 @@ _RESULTS = _Results()
 def _out(out, shape, dtype, what: str) -> np.ndarray:
     if out is None:
         return _RESULTS.take(shape, dtype)
-    if out.dtype is dtype and out.shape == shape and out.flags.c_contiguous:
-        return out
-    if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+    # (dtype identity first: a dtype comparison is slow numpy code, see _ready)
+    if (out.shape != shape or not (out.dtype is dtype or out.dtype == dtype)
+            or not out.flags.c_contiguous):
         raise ValueError(f"{what}: out must be a C-contiguous {np.dtype(dtype)} array of shape "
-                         f"{tuple(shape)}, got {out.dtype} {out.shape}.")
+                         f"{tuple(shape)}, got {out.dtype} {out.shape}"
+                         f"{'' if out.flags.c_contiguous else ' (not C-contiguous)'}.")
     return out
 
 
@@ -298,7 +299,7 @@ class Comm:
 
     @staticmethod
     def _op(op: str):
-        mpi_op = _REDUCE.get(op)
+        mpi_op = _REDUCE.get(op) if type(op) is str else None
         if mpi_op is not None:
             return mpi_op
         if op not in REDUCE_OPS:
@@ -350,7 +351,7 @@ class Comm:
         if async_op:
             return Work(self._c.Iallreduce(send, out, op=mpi_op), lambda: self._avg(out, op))
         self._c.Allreduce(send, out, op=mpi_op)
-        return out if op != "avg" else self._avg(out, op)
+        return self._avg(out, op)
 
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None,
                    async_op: bool = False, out: np.ndarray | None = None):
@@ -447,7 +448,7 @@ class Comm:
             call = self._c.Ireduce_scatter if async_op else self._c.Reduce_scatter
             req = call(front, out, [s * row for s in sizes], op=mpi_op)
         if not (async_op or axis):
-            return out if op != "avg" else self._avg(out, op)
+            return self._avg(out, op)
 
         def finish():
             res = self._avg(out, op)

@@ -121,6 +121,20 @@ def test_layer_norm_and_rms_norm():
         F.layer_norm(Tensor(x), 5)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_layer_norm_of_a_constant_row_is_zero_and_its_gradient_too(dtype):
+    # The row's mean must be the value itself (a sum times a rounded 1/n is not).
+    x = Tensor(np.full((2, 1000), 3.0, dtype), requires_grad=True)
+    y = F.layer_norm(x, (1000,))
+    np.testing.assert_array_equal(y.numpy(), 0)
+    g = np.linspace(-1.0, 1.0, 2000).reshape(2, 1000)
+    (y * Tensor(g.astype(dtype))).sum().backward()
+    # the gradient of a constant row: rstd * (g - mean(g)), xhat = 0
+    want = (g - g.mean(-1, keepdims=True)) / np.sqrt(1e-5)
+    tol = {"rtol": 1e-2, "atol": 0.5} if dtype == np.float16 else {"rtol": 1e-4, "atol": 1e-3}
+    np.testing.assert_allclose(x.grad.numpy(), want, **tol)  # (|want| up to ~316)
+
+
 def test_activations():
     x = 3 * rng.standard_normal((4, 5))
     np.testing.assert_allclose(F.relu(Tensor(x)).numpy(), np.maximum(x, 0))

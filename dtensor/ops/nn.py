@@ -209,7 +209,7 @@ def _ones(n: int, dtype: np.dtype) -> np.ndarray:
 def _row_sums(x):
     """Sums over the last dim of a 2-D block, as a column. float32/float64: a BLAS
     matrix-vector product, ~3x faster than ``x.sum(axis=1)`` on rows of a few hundred (numpy
-    reduces each row on its own); other types keep numpy's sum (no BLAS, float32 partials)."""
+    reduces each row on its own); other types keep numpy's reduction (BLAS has none for them)."""
     if x.dtype in (np.float32, np.float64):
         return (x @ _ones(x.shape[1], x.dtype))[:, None]
     return x.sum(axis=1, keepdims=True)

@@ -254,6 +254,15 @@ def _out(out, shape, dtype, what: str) -> np.ndarray:
     return out
 
 
+def _axis_first(x: np.ndarray, axis: int, out, what: str) -> np.ndarray:
+    """``x`` with ``axis`` moved to the front, contiguous: MPI gathers and scatters along dim 0
+    (the result is moved back, so a preallocated ``out`` cannot be written directly)."""
+    if out is not None:
+        raise ValueError(f"{what}(out=...) needs axis=0; {what} along dim 0 and move the "
+                         f"result's dim yourself.")
+    return np.ascontiguousarray(np.moveaxis(x, axis, 0))
+
+
 _REDUCE: dict = {}
 
 
@@ -376,24 +385,19 @@ class Comm:
         if self._check:
             self._agree("all_gather", (str(dtype), shape[:axis] + shape[axis + 1:]))
         if axis:
-            if out is not None:
-                raise ValueError("all_gather(out=...) needs axis=0; gather along dim 0 and "
-                                 "move it.")
-            front = np.ascontiguousarray(np.moveaxis(x, axis, 0))
-            shape = front.shape
-        else:
-            front = x
+            x = _axis_first(x, axis, out, "all_gather")
+            shape = x.shape
         out = _out(out, (total,) + shape[1:], dtype, "all_gather")
         if _LOGGING:
             self._record("all_gather", out.nbytes, dtype)
         # Equal sizes take Allgather: MPICH's Allgatherv algorithms are several times slower.
         if even:
-            req = (self._c.Iallgather if async_op else self._c.Allgather)(front, out)
+            req = (self._c.Iallgather if async_op else self._c.Allgather)(x, out)
         else:
-            row = math.prod(front.shape[1:])
+            row = math.prod(shape[1:])
             counts = [s * row for s in sizes]
             spec = [out, (counts, np.cumsum([0] + counts[:-1]).tolist())]
-            req = (self._c.Iallgatherv if async_op else self._c.Allgatherv)(front, spec)
+            req = (self._c.Iallgatherv if async_op else self._c.Allgatherv)(x, spec)
         if not axis:
             return Work(req, lambda: out) if async_op else out
 
@@ -433,20 +437,16 @@ class Comm:
         if _LOGGING:
             self._record("reduce_scatter", x.nbytes, dtype)
         if axis:
-            if out is not None:
-                raise ValueError("reduce_scatter(out=...) needs axis=0.")
-            front = np.ascontiguousarray(np.moveaxis(x, axis, 0))
-            shape = front.shape
-        else:
-            front = x
+            x = _axis_first(x, axis, out, "reduce_scatter")
+            shape = x.shape
         out = _out(out, (mine,) + shape[1:], dtype, "reduce_scatter")
         if even:
             call = self._c.Ireduce_scatter_block if async_op else self._c.Reduce_scatter_block
-            req = call(front, out, op=mpi_op)
+            req = call(x, out, op=mpi_op)
         else:
-            row = math.prod(front.shape[1:])
+            row = math.prod(shape[1:])
             call = self._c.Ireduce_scatter if async_op else self._c.Reduce_scatter
-            req = call(front, out, [s * row for s in sizes], op=mpi_op)
+            req = call(x, out, [s * row for s in sizes], op=mpi_op)
         if not (async_op or axis):
             return self._avg(out, op)
 

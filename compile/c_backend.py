@@ -309,12 +309,11 @@ void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off,
 static inline void dt_adamw_rows_S(const T *restrict p, const T *restrict g,
                                     const T *restrict m, const T *restrict v, T *restrict po,
                                     T *restrict mo, T *restrict vo, int64_t n, const T *k) {
-    T b1 = k[0], c1 = k[1], b2 = k[2], c2 = k[3], eps = k[4], rs = k[5], step = k[6];
-    T decay = k[7];
+    T b1 = k[0], c1 = k[1], b2 = k[2], c2 = k[3], eps = k[4], step = k[5], decay = k[6];
     for (int64_t i = 0; i < n; i++) {
         T mi = m[i] * b1 + g[i] * c1;
         T vi = v[i] * b2 + (g[i] * g[i]) * c2;
-        T den = dt_sqrt_S(vi) * rs + eps;
+        T den = dt_sqrt_S(vi) + eps;
         mo[i] = mi;
         vo[i] = vi;
         po[i] = p[i] * decay - (mi / den) * step;
@@ -334,8 +333,10 @@ void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offs
         const T *p = (const T *)tab[4 * q], *g = (const T *)tab[4 * q + 1];
         const T *m = (const T *)tab[4 * q + 2], *v = (const T *)tab[4 * q + 3];
         const double *h = hp + 7 * q;  /* lr, beta1, beta2, eps, weight_decay, bc1, bc2 */
-        const T k[8] = {(T)h[1], (T)(1.0 - h[1]), (T)h[2], (T)(1.0 - h[2]), (T)h[3],
-                        (T)(1.0 / (sqrt)(h[6])), (T)(h[0] / h[5]), (T)(1.0 - h[0] * h[4])};
+        /* numpy's _adamw_block: the bias corrections folded into eps and the step size */
+        const T k[7] = {(T)h[1], (T)(1.0 - h[1]), (T)h[2], (T)(1.0 - h[2]),
+                        (T)(h[3] * (sqrt)(h[6])), (T)(h[0] * (sqrt)(h[6]) / h[5]),
+                        (T)(1.0 - h[0] * h[4])};
         T *po = out + offsets[q], *mo = po + total, *vo = po + 2 * total;
         int64_t i = 0, n = sizes[q];
 #ifdef __AVX__

@@ -110,6 +110,32 @@ def test_leaf_gradients_own_their_memory():
         np.testing.assert_array_equal(t, 1.0)
 
 
+def test_gradient_through_a_batched_transpose():
+    # q @ k^T over (B, H, T, D): k's gradient is computed as (g^T q), in k's own order; a
+    # broadcast batch dim (w shared by the stack) takes the summed x^T g instead.
+    q, k = rng.standard_normal((2, 3, 5, 4)), rng.standard_normal((2, 3, 5, 4))
+    g = rng.standard_normal((2, 3, 5, 5))
+    qt, kt = Tensor(q, requires_grad=True), Tensor(k, requires_grad=True)
+    (qt @ kt.mT).backward(Tensor(g))
+    np.testing.assert_allclose(kt.grad.numpy(), np.swapaxes(g, -1, -2) @ q)
+    np.testing.assert_allclose(qt.grad.numpy(), g @ k)
+    w = Tensor(rng.standard_normal((6, 4)), requires_grad=True)
+    (qt @ w.mT).backward(Tensor(np.ones((2, 3, 5, 6))))
+    np.testing.assert_allclose(w.grad.numpy(), np.ones((6, 30)) @ q.reshape(30, 4))
+
+
+def test_embedding_gradient_sums_repeated_and_single_rows():
+    # Rows whose index occurs once are copied, repeated ones summed: against np.add.at.
+    num = 9
+    idx = np.array([[3, -1, 3, 0], [8, 5, 3, 2], [-9, 4, 4, 7]])  # -1 is 8 and -9 is 0
+    w = Tensor(rng.standard_normal((num, 6)), requires_grad=True)
+    g = rng.standard_normal((3, 4, 6))
+    dtensor.nn.functional.embedding(idx, w).backward(Tensor(g))
+    want = np.zeros((num, 6))
+    np.add.at(want, idx.reshape(-1) % num, g.reshape(-1, 6))
+    np.testing.assert_allclose(w.grad.numpy(), want)
+
+
 def test_backward_with_gradient_and_errors():
     x = Tensor(rng.standard_normal((2, 3)), requires_grad=True)
     y = x * 3

@@ -353,6 +353,45 @@ def test_gelu_backward_near_zero(approximate, dtype):
     np.testing.assert_allclose(g.numpy(), expect, rtol=2e-6, atol=1e-6)
 
 
+_BLOCKED = {  # the cache-blocked kernels (dtensor/ops/blockwise.py), on arrays of 7 x 5 x 11
+    "erf": lambda x, t: [x],
+    "gelu": lambda x, t: [x],
+    "gelu_backward": lambda x, t: [x[::-1].copy(), x, x * 0.5],
+    "softmax": lambda x, t: [x.reshape(5, 7, 11)[:, :, :7].copy()],
+    "softmax_backward": lambda x, t: [x, np.abs(x)],
+    "log_softmax": lambda x, t: [x],
+    "log_softmax_backward": lambda x, t: [x, -np.abs(x)],
+    "normalize": lambda x, t: [x],
+    "normalize_backward": lambda x, t: [x[::-1].copy(), x],
+    "softmax_cross_entropy": lambda x, t: [x, t],
+    "softmax_cross_entropy_backward": lambda x, t: [x[..., 0], x, t],
+    "adamw_step": lambda x, t: [x, x[::-1].copy(), 0.1 * x, x * x],
+}
+_PARAMS = {"gelu": {"approximate": "none"}, "gelu_backward": {"approximate": "none"},
+           "normalize": {"eps": 1e-5}, "normalize_backward": {"eps": 1e-5},
+           "adamw_step": dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                              bc1=0.19, bc2=0.002)}
+
+
+@pytest.mark.parametrize("name,causal", [(n, False) for n in sorted(_BLOCKED)] +
+                         [("softmax", True)])
+def test_blocked_kernels_do_not_depend_on_the_block_size(name, causal, monkeypatch):
+    # Run in one block and in blocks of a row or a few elements (an uneven last block): the
+    # row offsets (cross-entropy's targets, causal matrices) must line up in every block.
+    from dtensor.ops import blockwise
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((7, 5, 11)).astype(np.float32)
+    args = _BLOCKED[name](x, rng.integers(0, 11, (7, 5)))
+    params = dict(_PARAMS.get(name, {}), **({"causal": causal} if name == "softmax" else {}))
+    results = []
+    for block in (1 << 40, 20, 44):
+        monkeypatch.setattr(blockwise, "_BLOCK_BYTES", block)
+        results.append(OPS[name].impl(*args, **params))
+    # To float32 rounding of O(1) terms: BLAS's row sums may associate differently per block.
+    for got in results[1:]:
+        np.testing.assert_allclose(got, results[0], rtol=1e-5, atol=1e-6)
+
+
 def test_float32_stays_float32():
     x = dtensor.randn(4, 8)
     w = dtensor.randn(3, 8, requires_grad=True)

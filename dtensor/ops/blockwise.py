@@ -1,8 +1,8 @@
 """Run a fused numpy kernel over cache-sized blocks of its arrays.
 
 numpy runs one ufunc at a time over whole arrays: a fused expression of k ufuncs streams every
-operand through memory k times. Calling the kernel on blocks of a few hundred KiB keeps its
-temporaries in L2, so only the inputs and the output travel to memory once.
+operand through memory k times. Calling the kernel on blocks of about a MiB keeps its
+temporaries in cache, so only the inputs and the output travel to memory once.
 
 Blocks run on the calling thread. Splitting them over a second thread was measured slower on the
 benchmark machine (2 cores): between GEMMs, OpenBLAS's worker threads spin on the other core,
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-# 256 KiB per operand block: large enough that the per-ufunc overhead (~1.5 us) is small against
-# the work, small enough that a kernel's few temporaries stay in L2.
-_BLOCK_BYTES = 1 << 18
+# 1 MiB per operand block: a kernel's few temporaries stay in L3, not L2, but every block costs
+# each of its ufuncs' overhead (1.5-3 us), and that weighs more here. The standard workload's
+# eager step, paired A/B runs: 512 KiB blocks 2-4% faster than 256 KiB, 1 MiB another ~1%,
+# 2 MiB no better.
+_BLOCK_BYTES = 1 << 20
 
 
 def run_rows(kernel, rows: int, row_bytes: int) -> None:

@@ -4,8 +4,10 @@ Prints one JSON line (rank 0): median/min/max step seconds over --steps steps af
 tokens/s, achieved GFLOP/s (27.41 GFLOP per step for the standard workload, counted as in the
 issue), peak RSS, and numpy's own float32 matmul GFLOP/s measured in the same run with the same
 threads, between the steps, so the result reads as a ratio (``ratio_to_matmul``: the median over
-steps of the step's GFLOP/s over the faster of the two reference GEMMs around it; under dtlaunch
-every rank times the reference at once and the rates are summed: the machine's GEMM rate). Under
+steps of the step's GFLOP/s over the faster of the two reference GEMMs around it, which errs low
+when the machine's speed jitters; ``ratio_of_medians``: the median step's GFLOP/s over the
+median reference; under dtlaunch every rank times the reference at once and the rates are
+summed: the machine's GEMM rate). Under
 dtlaunch the model goes through dtensor.parallel.parallelize on a (dp, tp) mesh, and the line
 also gives the collectives per step (count and bytes by kind, from the debug counter) next to
 Megatron-LM's figures for the same layout (``megatron_bytes``, ``bytes_ratio``). With --compile
@@ -188,7 +190,7 @@ def main() -> None:
         "tokens_per_s": round(args.batch * args.seq / med, 1),
         "gflop_per_step": round(flops / 1e9, 2), "gflops": round(gflops, 1),
         "numpy_matmul_gflops": round(matmul, 1), "numpy_matmul_gflops_max": round(max(refs), 1),
-        "ratio_to_matmul": round(ratio, 3),
+        "ratio_to_matmul": round(ratio, 3), "ratio_of_medians": round(gflops / matmul, 3),
         # tracing + passes + codegen, summed over the graphs (the first step creates the
         # optimizer state, so it has a graph of its own)
         "compile_s": round(sum(e.compile_s for e in run._cache.values()), 3)

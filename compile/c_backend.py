@@ -90,21 +90,17 @@ static inline T dt_erf_S(T x) {  /* erf_block: Numerical Recipes' erfc */
     return x < 0 ? -r : r;
 }
 
-static inline T dt_phi_S(T x, T *pdf) {  /* _phi_and_pdf: Phi(x) and exp(-x^2/2) */
-    T z = (x < 0 ? -x : x) * 0.7071067811865475F;
-    T t = 1.0F / (z * 0.3275911F + 1.0F);
-    T p = t * 1.061405429F;
-    p += -1.453152027F; p *= t; p += 1.421413741F; p *= t; p += -0.284496736F; p *= t;
-    p += 0.254829592F; p *= t;
-    T e = dt_exp_S(-(z * z));
-    *pdf = e;
-    p *= e;
-    p *= -0.5F;
-    p += 0.5F;
-    return (x < 0 ? -p : p) + 0.5F;
+static inline T dt_gelu_none_S(T x) {  /* _gelu_erf_block: relu(x) - |x| Q(|x|) */
+    T a = x < 0 ? -x : x;
+    a = a > 64.0F ? 64.0F : a;
+    T t = 1.0F / (a * 0.2316418882663604F + 1.0F);
+    T q = t * 0.5307027145F;
+    q += -0.7265760135F; q *= t; q += 0.7107068705F; q *= t; q += -0.142248368F; q *= t;
+    q += 0.127414796F; q *= t;
+    q *= dt_exp_S(x * x * -0.5F);
+    q *= a;
+    return (x > 0 ? x : 0.0F) - q;
 }
-
-static inline T dt_gelu_none_S(T x) { T e; return dt_phi_S(x, &e) * x; }
 
 static inline T dt_gelu_tanh_S(T x) {
     T u = x * x * 0.044715F + 1.0F;

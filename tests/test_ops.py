@@ -340,6 +340,15 @@ def test_direct_rule_equals_composite(name):
     np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_gelu_at_the_ends_of_the_line(dtype):
+    # GELU(x) -> x as x -> inf and -> 0 as x -> -inf; NaN stays NaN.
+    x = np.array([np.inf, -np.inf, np.nan, 6e4, -6e4, 30.0, -40.0], dtype)
+    with np.errstate(over="ignore"):
+        y = OPS["gelu"].impl(x, approximate="none")
+    np.testing.assert_array_equal(y, np.array([np.inf, 0, np.nan, 6e4, 0, 30.0, 0], dtype))
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gelu_backward_near_zero(approximate, dtype):
@@ -376,15 +385,16 @@ _PARAMS = {"gelu": {"approximate": "none"}, "gelu_backward": {"approximate": "no
 @pytest.mark.parametrize("name,causal", [(n, False) for n in sorted(_BLOCKED)] +
                          [("softmax", True)])
 def test_blocked_kernels_do_not_depend_on_the_block_size(name, causal, monkeypatch):
-    # Run in one block and in blocks of a row or a few elements (an uneven last block): the
-    # row offsets (cross-entropy's targets, causal matrices) must line up in every block.
+    # Run in one block and in blocks of a few elements, rows or matrices, each size leaving
+    # an uneven last block: the row offsets (cross-entropy's targets, causal matrices) must
+    # line up in every block.
     from dtensor.ops import blockwise
     rng = np.random.default_rng(11)
     x = rng.standard_normal((7, 5, 11)).astype(np.float32)
     args = _BLOCKED[name](x, rng.integers(0, 11, (7, 5)))
     params = dict(_PARAMS.get(name, {}), **({"causal": causal} if name == "softmax" else {}))
     results = []
-    for block in (1 << 40, 20, 44):
+    for block in (1 << 40, 24, 100, 400):
         monkeypatch.setattr(blockwise, "_BLOCK_BYTES", block)
         results.append(OPS[name].impl(*args, **params))
     # To float32 rounding of O(1) terms: BLAS's row sums may associate differently per block.

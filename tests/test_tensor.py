@@ -122,6 +122,10 @@ def test_gradient_through_a_batched_transpose():
     w = Tensor(rng.standard_normal((6, 4)), requires_grad=True)
     (qt @ w.mT).backward(Tensor(np.ones((2, 3, 5, 6))))
     np.testing.assert_allclose(w.grad.numpy(), np.ones((6, 30)) @ q.reshape(30, 4))
+    # The gradient reaching k (through k^T's transpose) is in k's own row order, so the
+    # reshape to its projection's (rows, features) does not transpose it.
+    from dtensor.ops.structural import _matmul_dy
+    assert _matmul_dy(Tensor(g), qt, kt.mT).mT.numpy().flags.c_contiguous
 
 
 def test_embedding_gradient_sums_repeated_and_single_rows():

@@ -135,6 +135,25 @@ def test_layer_norm_of_a_constant_row_is_zero_and_its_gradient_too(dtype):
     np.testing.assert_allclose(x.grad.numpy(), want, **tol)  # (|want| up to ~316)
 
 
+@pytest.mark.parametrize("dtype,spread,gscale,tol", [(np.float16, 30.0, 300.0, 4e-3),
+                                                      (np.float32, 1e16, 1.0, 1e-6)])
+def test_layer_norm_gradient_of_wide_rows(dtype, spread, gscale, tol):
+    # float16: g . (x - mean) overflows (~1e5) though the forward's sum of squares does not;
+    # float32: rstd^3 underflows for rows of spread 1e16. The backward works in at least
+    # float32 and scales by rstd one factor at a time. Against the float64 gradient, to the
+    # type's rounding of g's scale times rstd.
+    x0 = np.linspace(-spread, spread, 256).reshape(2, 128) * np.array([[1.0], [0.5]])
+    g = gscale * np.linspace(-1, 1, 256).reshape(2, 128) + np.cos(np.arange(256.0)).reshape(2, 128)
+    grads = []
+    for dt in (dtype, np.float64):
+        x = Tensor(x0.astype(dt), requires_grad=True)
+        (F.layer_norm(x, (128,)) * Tensor(g.astype(dt))).sum().backward()
+        grads.append(x.grad.numpy().astype(np.float64))
+    assert np.isfinite(grads[0]).all()
+    np.testing.assert_allclose(grads[0], grads[1],
+                               atol=tol * np.abs(g).max() / x0.std(axis=-1).min())
+
+
 def test_activations():
     x = 3 * rng.standard_normal((4, 5))
     np.testing.assert_allclose(F.relu(Tensor(x)).numpy(), np.maximum(x, 0))

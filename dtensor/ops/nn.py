@@ -200,11 +200,15 @@ def _ones(n: int, dtype: np.dtype) -> np.ndarray:
     return v
 
 
+# The types BLAS reduces (a matrix-vector product with ones); others keep numpy's reductions.
+_BLAS_TYPES = (np.float32, np.float64)
+
+
 def _row_sums(x):
     """Sums over the last dim of a 2-D block, as a column. float32/float64: a BLAS
     matrix-vector product, ~3x faster than ``x.sum(axis=1)`` on rows of a few hundred (numpy
     reduces each row on its own); other types keep numpy's reduction (BLAS has none for them)."""
-    if x.dtype in (np.float32, np.float64):
+    if x.dtype in _BLAS_TYPES:
         return (x @ _ones(x.shape[1], x.dtype))[:, None]
     return x.sum(axis=1, keepdims=True)
 
@@ -212,7 +216,7 @@ def _row_sums(x):
 def _row_means(x):
     """Means of the rows of a 2-D block: the sums divided by n (not multiplied by a rounded
     1/n, which moves a constant row's mean off its value)."""
-    if x.dtype in (np.float32, np.float64):
+    if x.dtype in _BLAS_TYPES:
         s = _row_sums(x)
         s /= x.shape[1]
         return s
@@ -445,10 +449,11 @@ def _adamw_block(out, p, g, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2)
     vo += tmp
     # lr/bc1 m / (sqrt(v / bc2) + eps) = (lr sqrt(bc2) / bc1) m / (sqrt(v) + eps sqrt(bc2)):
     # the bias correction moved onto the scalars, one pass fewer.
+    rs = math.sqrt(bc2)
     np.sqrt(vo, out=tmp)
-    tmp += eps * math.sqrt(bc2)
+    tmp += eps * rs
     np.divide(mo, tmp, out=tmp)
-    tmp *= lr * math.sqrt(bc2) / bc1
+    tmp *= lr * rs / bc1
     np.multiply(p, 1.0 - lr * weight_decay, out=po)
     po -= tmp
 

@@ -16,10 +16,12 @@ Example (run under ``dtlaunch --nproc 2``):
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -27,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 __all__ = ["Comm", "Work", "get_world", "count_collectives", "CollectiveLog", "CollectiveEvent",
-           "REDUCE_OPS"]
+           "REDUCE_OPS", "collective_timeout"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -547,6 +549,86 @@ class Comm:
         self._c.Barrier()
         return None
 
+    # -- agreement: collective entry points that take user metadata, and blocks that may fail
+    def check_same(self, what: str, fix: str = "", **fields) -> None:
+        """Collective: raise the same ValueError on every rank unless all passed equal ``fields``.
+
+        Ranks that disagree on metadata would otherwise hang inside MPI or silently compute
+        garbage. One allgather of an 8-byte digest of ``repr(fields)`` (microseconds); only on a
+        mismatch a second one carries the values, so the error names the ranks and what each
+        passed. ``fix`` is appended to the message.
+        """
+        if self.size == 1:
+            return
+        text = repr(sorted(fields.items()))
+        digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=8).digest(), np.int64)
+        got = self._allgather_digest(what, digest)
+        if (got == got[0]).all():
+            return
+        theirs = self._c.allgather({k: repr(v) for k, v in fields.items()})
+        lines = []
+        for k in fields:
+            by_value: dict[str, list[int]] = {}
+            for r, t in enumerate(theirs):
+                by_value.setdefault(t[k], []).append(self.ranks[r])
+            if len(by_value) > 1:
+                lines.append(f"{k}: " + ", ".join(f"{v} on ranks {rs}"
+                                                 for v, rs in by_value.items()))
+        raise ValueError(f"{what}: ranks passed different arguments ({'; '.join(lines)}). A "
+                         f"collective call needs the same arguments on every rank."
+                         + (f" {fix}" if fix else ""))
+
+    def _allgather_digest(self, what: str, digest: np.ndarray) -> np.ndarray:
+        """Allgather of one int64 per rank that fails (instead of hanging) when a rank never
+        arrives: a collective entry point called on some ranks only."""
+        got = np.empty(self.size, np.int64)
+        req = self._c.Iallgather(digest, got)
+        if req.Test():
+            return got
+        limit = collective_timeout()
+        start = time.monotonic()
+        pause = 1e-5
+        while not req.Test():
+            if time.monotonic() - start > limit:
+                raise TimeoutError(
+                    f"{what} is collective: every rank of the group {list(self.ranks)} must call "
+                    f"it, and rank {self.ranks[self.rank]} waited {limit:g} s for the others. "
+                    f"Call it on every rank (not under `if rank == 0:`), or raise "
+                    f"DTENSOR_COLLECTIVE_TIMEOUT if a rank is just slow to get there.")
+            time.sleep(pause)  # yield the core: ranks here are often oversubscribed
+            pause = min(pause * 2, 1e-2)
+        return got
+
+    @contextmanager
+    def fail_together(self, what: str) -> Iterator[None]:
+        """Collective: run a block on every rank; if it raised on any, raise on every rank.
+
+        A rank whose part of a collective operation fails (a bad path, a full disk) must not
+        leave its peers waiting in the next collective. On exit every rank learns who failed
+        (one allgather of a flag); the lowest failing rank's error is re-raised everywhere with
+        the same type and message, naming that rank. The block itself must not run collectives
+        that a failing rank would skip.
+        """
+        err: BaseException | None = None
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - every error is shared, then re-raised
+            err = e
+        if self.size == 1:
+            if err is not None:
+                raise err
+            return
+        flags = self._allgather_digest(what, np.array([err is not None], np.int64))
+        if not flags.any():
+            return
+        first = int(np.flatnonzero(flags)[0])
+        sent = None
+        if self.rank == first:
+            sent = (type(err).__module__, type(err).__qualname__, str(err))
+        mod, name, msg = self._c.bcast(sent, root=first)  # metadata only
+        message = f"{what} failed on rank {self.ranks[first]}: {msg}"
+        raise _rebuild_error(mod, name, message, err) from err
+
     # -- groups
     def subgroup(self, partition: Sequence[Sequence[int]]) -> "Comm":
         """The communicator of the part of ``partition`` (group-local ranks) containing us.
@@ -579,6 +661,40 @@ class Comm:
         if sizes[self.rank] != mine:
             raise ValueError(f"{what}: rank {self.rank} passed length {mine} along the gathered "
                              f"dim but sizes[{self.rank}] = {sizes[self.rank]}.")
+
+
+def collective_timeout() -> float:
+    """Seconds a rank waits at a checked collective entry point for the others
+    (DTENSOR_COLLECTIVE_TIMEOUT, default 120)."""
+    text = os.environ.get("DTENSOR_COLLECTIVE_TIMEOUT", "120")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"DTENSOR_COLLECTIVE_TIMEOUT={text!r} must be a positive number of "
+                         f"seconds.")
+    return value
+
+
+def _rebuild_error(module: str, qualname: str, message: str, local: BaseException | None):
+    """An exception of the failing rank's type carrying ``message`` (RuntimeError if that type
+    cannot be rebuilt from one string here)."""
+    if local is not None and (type(local).__module__, type(local).__qualname__) == (module,
+                                                                                   qualname):
+        cls = type(local)
+    else:
+        cls = sys.modules.get(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            e = cls(message)
+            if str(e) == message or isinstance(e, KeyError):
+                return e
+        except Exception:  # noqa: BLE001 - a constructor with other arguments
+            pass
+    return RuntimeError(f"{qualname}: {message}")
 
 
 _world: Comm | None = None

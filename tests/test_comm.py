@@ -234,3 +234,64 @@ def test_count_collectives_records_only_its_own_thread():
         pass
     world.all_reduce(x)
     assert after.events == []
+
+
+# ----------------------------------------------------------------------------- agreement
+
+class _Odd(Exception):
+    """An error type whose constructor takes two arguments."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a}/{b}")
+
+
+@pytest.mark.ranks(3, timeout=120)
+def test_check_same_names_the_ranks_that_differ_on_every_rank(comm, rank):
+    comm.check_same("op", shape=(4, 2), placements="[S(0)]")  # equal: no error
+    cases = [  # (fields on this rank, what the message must hold)
+        (dict(shape=(4, 2) if rank != 2 else (4, 3)), r"shape: \(4, 2\) on ranks \[0, 1\], "
+                                                      r"\(4, 3\) on ranks \[2\]\)"),
+        (dict(dtype=np.dtype("float32"), placements=[f"S({rank % 2})"]),
+         r"placements: \['S\(0\)'\] on ranks \[0, 2\], \['S\(1\)'\] on ranks \[1\]\)"),
+    ]
+    for fields, pattern in cases:
+        with pytest.raises(ValueError, match=r"^op: ranks passed different arguments \("
+                           + pattern + r"\. .*Pass the same\.$"):
+            comm.check_same("op", "Pass the same.", **fields)  # only differing fields listed
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_check_same_called_on_one_rank_times_out_instead_of_hanging(comm, rank, monkeypatch):
+    import time
+    if rank == 0:
+        monkeypatch.setenv("DTENSOR_COLLECTIVE_TIMEOUT", "0.5")
+        t = time.perf_counter()
+        with pytest.raises(TimeoutError, match=r"save is collective.*rank 0 waited 0\.5 s"):
+            comm.check_same("save", path="x")
+        assert time.perf_counter() - t < 5
+        comm.barrier()
+    else:
+        comm.barrier()  # rank 0 gave up; its request completes when rank 1 arrives late
+        comm.check_same("save", path="x")
+
+
+@pytest.mark.ranks(2, timeout=120)
+@pytest.mark.parametrize("make", [
+    lambda: KeyError("k"), lambda: OSError(28, "No space left on device"),
+    lambda: ValueError("bad"), lambda: _Odd(1, 2)], ids=["key", "os", "value", "odd"])
+def test_fail_together_raises_the_same_error_on_every_rank(comm, rank, make):
+    error = make()
+    for failing in (0, 1):
+        with pytest.raises(Exception) as info:
+            with comm.fail_together("save"):
+                if rank == failing:
+                    raise error
+        want = type(error) if not isinstance(error, _Odd) else RuntimeError
+        assert type(info.value) is want, info.value
+        msg = info.value.args[0] if isinstance(info.value, KeyError) else str(info.value)
+        assert f"save failed on rank {failing}: " in msg
+        assert str(error) in msg
+        theirs = comm._c.allgather(msg)
+        assert theirs[0] == theirs[1]
+    with comm.fail_together("save"):  # no error anywhere: nothing raised
+        pass

@@ -17,6 +17,7 @@ from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import registry
 from dtensor.ops import structural as st
+from dtensor.validate import as_dim, as_int, as_real, as_shape
 
 __all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like", "ones_like",
            "arange", "rand", "randn", "cat", "where", "resolve_dtype", "DTYPES"]
@@ -38,23 +39,23 @@ def resolve_dtype(dtype) -> np.dtype:
 
 
 def _axes(axis, ndim: int) -> tuple[int, ...]:
-    """Canonical reduction axes: a sorted tuple of non-negative ints (all axes for None)."""
+    """Canonical reduction axes: a sorted tuple of non-negative ints (all axes for None).
+    A 0-d tensor takes axis 0 or -1, as PyTorch's reductions."""
     if axis is None:
         return tuple(range(ndim))
-    axis = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    out = []
-    for a in axis:
-        if not -ndim <= a < max(ndim, 1):
-            raise IndexError(f"axis {a} is out of range for a tensor with {ndim} dims "
-                             f"(valid: {-ndim}..{ndim - 1}).")
-        out.append(int(a) % max(ndim, 1))
+    seq = isinstance(axis, (tuple, list))
+    out = [as_dim(a, ndim, what="axis", ndim=builtins.max(ndim, 1))
+           for a in (axis if seq else (axis,))]
     return tuple(sorted(set(out)))
 
 
-def _shape_arg(shape) -> tuple[int, ...]:
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+def _shape_arg(shape, what: str = "shape", infer: bool = False) -> tuple[int, ...]:
+    """A shape given as varargs ``(2, 3)`` or as one sequence ``((2, 3),)``, checked: ints
+    (numpy ints too), non-negative (one -1 with ``infer``)."""
+    if len(shape) == 1 and not isinstance(shape[0], (str, bytes)) and \
+            hasattr(shape[0], "__len__"):
         shape = shape[0]
-    return tuple(int(n) for n in shape)
+    return as_shape(shape, what, infer=infer)
 
 
 def _resolve_reshape(numel: int, old: tuple, shape: tuple) -> tuple[int, ...]:
@@ -90,7 +91,11 @@ def _index(key, shape: tuple) -> tuple:
         elif k is None:
             out.append(None)
         elif isinstance(k, slice):
-            out.append(k.indices(shape[d]))
+            try:
+                out.append(k.indices(shape[d]))
+            except TypeError:
+                raise TypeError(f"slice {k!r} in index {key!r}: slice bounds and step must be "
+                                f"integers or None.") from None
             d += 1
         elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
             if not -shape[d] <= k < shape[d]:
@@ -215,7 +220,9 @@ class TensorMethods:
         return math.prod(self.shape)
 
     def size(self, dim: int | None = None):
-        return tuple(self.shape) if dim is None else self.shape[dim]
+        if dim is None:
+            return tuple(self.shape)
+        return self.shape[as_dim(dim, tuple(self.shape), op="size")]
 
     def __len__(self) -> int:
         if not self.shape:
@@ -223,37 +230,49 @@ class TensorMethods:
         return self.shape[0]
 
     def reshape(self, *shape):
-        shape = _resolve_reshape(self.numel(), tuple(self.shape), _shape_arg(shape))
+        shape = _resolve_reshape(self.numel(), tuple(self.shape),
+                                 _shape_arg(shape, "reshape: shape", infer=True))
         return self if shape == tuple(self.shape) else st.reshape(self, shape=shape)
 
     view = reshape
 
     def flatten(self, start_dim: int = 0, end_dim: int = -1):
         s = tuple(self.shape)
-        end = end_dim % len(s)
-        return self.reshape(s[:start_dim] + (-1,) + s[end + 1:])
+        if not s:  # PyTorch: a 0-d tensor flattens to one element
+            return self.reshape(1)
+        start = as_dim(start_dim, s, op="flatten", what="start_dim")
+        end = as_dim(end_dim, s, op="flatten", what="end_dim")
+        if start > end:
+            raise ValueError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim} "
+                             f"for a tensor of shape {s}; give start_dim <= end_dim.")
+        return self.reshape(s[:start] + (-1,) + s[end + 1:])
 
     def unsqueeze(self, dim: int):
         s = list(self.shape)
-        s.insert(dim % (len(s) + 1), 1)
+        s.insert(as_dim(dim, tuple(s), op="unsqueeze", ndim=len(s) + 1), 1)
         return self.reshape(tuple(s))
 
     def squeeze(self, dim: int | None = None):
         s = tuple(self.shape)
         if dim is None:
             return self.reshape(tuple(n for n in s if n != 1))
-        dim %= len(s)
-        return self if s[dim] != 1 else self.reshape(s[:dim] + s[dim + 1:])
+        dim = as_dim(dim, s, op="squeeze", ndim=builtins.max(len(s), 1))
+        return self if not s or s[dim] != 1 else self.reshape(s[:dim] + s[dim + 1:])
 
     def permute(self, *axes):
-        axes = _shape_arg(axes)
-        if sorted(a % self.ndim for a in axes) != list(range(self.ndim)):
+        if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+            axes = tuple(axes[0])
+        s = tuple(self.shape)
+        dims = tuple(as_dim(a, s, op="permute") for a in axes)
+        if sorted(dims) != list(range(self.ndim)):
             raise ValueError(f"permute: {axes} is not a permutation of the {self.ndim} dims "
-                             f"of a tensor of shape {tuple(self.shape)}.")
-        axes = tuple(a % self.ndim for a in axes)
-        return self if axes == tuple(range(self.ndim)) else st.permute(self, axes=axes)
+                             f"of a tensor of shape {s}.")
+        return self if dims == tuple(range(self.ndim)) else st.permute(self, axes=dims)
 
     def transpose(self, dim0: int, dim1: int):
+        s = tuple(self.shape)
+        dim0 = as_dim(dim0, s, op="transpose", what="dim0")
+        dim1 = as_dim(dim1, s, op="transpose", what="dim1")
         axes = list(range(self.ndim))
         axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
         return self.permute(tuple(axes))
@@ -267,7 +286,7 @@ class TensorMethods:
         return self.transpose(-2, -1)
 
     def broadcast_to(self, *shape):
-        shape = _shape_arg(shape)
+        shape = _shape_arg(shape, "broadcast_to: shape")
         try:
             np.broadcast_shapes(tuple(self.shape), shape)
         except ValueError:
@@ -276,9 +295,13 @@ class TensorMethods:
         return self if shape == tuple(self.shape) else st.broadcast_to(self, shape=shape)
 
     def expand(self, *shape):
-        shape = _shape_arg(shape)
-        lead = len(shape) - self.ndim
-        shape = tuple(self.shape[i - lead] if n == -1 else n for i, n in enumerate(shape))
+        sizes = _shape_arg(shape, "expand: sizes", infer=True)
+        lead = len(sizes) - self.ndim
+        if lead < 0 or -1 in sizes[:lead]:
+            raise ValueError(f"expand: sizes {sizes} for a tensor of shape {tuple(self.shape)} "
+                             f"must give at least its {self.ndim} dims, and -1 (keep the size) "
+                             f"only for dims it has.")
+        shape = tuple(self.shape[i - lead] if n == -1 else n for i, n in enumerate(sizes))
         return self.broadcast_to(shape)
 
     def __getitem__(self, key):
@@ -286,17 +309,21 @@ class TensorMethods:
 
     def split(self, split_size_or_sections, dim: int = 0):
         """torch.split: pieces of ``split_size`` along ``dim`` (last may be smaller), or sizes."""
-        n = self.shape[dim]
-        if isinstance(split_size_or_sections, int):
-            sizes = [split_size_or_sections] * (n // split_size_or_sections)
-            if n % split_size_or_sections:
-                sizes.append(n % split_size_or_sections)
-        else:
-            sizes = list(split_size_or_sections)
+        s = tuple(self.shape)
+        dim = as_dim(dim, s, op="split")
+        n = s[dim]
+        if isinstance(split_size_or_sections, (tuple, list)):
+            sizes = list(as_shape(split_size_or_sections, "split: sizes"))
             if builtins.sum(sizes) != n:
-                raise ValueError(f"split sizes {sizes} do not add up to dim {dim} of size {n}.")
+                raise ValueError(f"split: sizes {sizes} add up to {builtins.sum(sizes)}, not "
+                                 f"to dim {dim} of size {n} (tensor shape {s}).")
+        else:
+            size = as_int(split_size_or_sections, "split: split_size", low=1,
+                          fix="Give the length of each piece, or a list of lengths.")
+            sizes = [size] * (n // size)
+            if n % size:
+                sizes.append(n % size)
         out, start = [], 0
-        dim %= self.ndim
         for s in sizes:
             out.append(self[(slice(None),) * dim + (slice(start, start + s),)])
             start += s
@@ -304,7 +331,8 @@ class TensorMethods:
 
     def chunk(self, chunks: int, dim: int = 0):
         """torch.chunk: ceil(n / chunks) per piece; fewer pieces when n is small."""
-        n = self.shape[dim]
+        n = self.shape[as_dim(dim, tuple(self.shape), op="chunk")]
+        chunks = as_int(chunks, "chunk: chunks", low=1, fix="Give the number of pieces.")
         return self.split(builtins.max(1, -(-n // chunks)), dim)
 
     # -- autograd
@@ -472,6 +500,10 @@ registry._wrap = Tensor._wrap
 
 def matmul(x, y):
     """Matrix product with numpy semantics (1-D operands are promoted and squeezed back)."""
+    if x.ndim == 0 or y.ndim == 0:
+        raise ValueError(f"matmul: both operands need at least one dim, got shapes "
+                         f"{tuple(x.shape)} @ {tuple(y.shape)}; multiply by a 0-d tensor with "
+                         f"`*` instead.")
     xv, yv = x.ndim == 1, y.ndim == 1
     if xv:
         x = x.reshape(1, -1)
@@ -530,7 +562,7 @@ def full(shape: Sequence[int], value, dtype=None, requires_grad: bool = False, d
     if device_mesh is not None or placements is not None:
         return _distributed("full", shape, value, dtype=dtype, requires_grad=requires_grad,
                             device_mesh=device_mesh, placements=placements)
-    return Tensor(np.full(tuple(shape), value, _factory_dtype(dtype)), requires_grad)
+    return Tensor(np.full(_shape_arg((shape,)), value, _factory_dtype(dtype)), requires_grad)
 
 
 def zeros_like(t, dtype=None) -> Tensor:
@@ -544,6 +576,10 @@ def ones_like(t, dtype=None) -> Tensor:
 def arange(start, stop=None, step=1, dtype=None) -> Tensor:
     if stop is None:
         start, stop = 0, start
+    for name, v in (("start", start), ("end", stop), ("step", step)):
+        as_real(v, f"arange: {name}")
+    if step == 0:
+        raise ValueError(f"arange: step must not be 0, got arange({start}, {stop}, {step}).")
     return Tensor(np.arange(start, stop, step, dtype=None if dtype is None else
                             resolve_dtype(dtype)))
 
@@ -578,11 +614,18 @@ def randn(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, pla
 
 
 def cat(tensors: Sequence, dim: int = 0):
-    tensors = list(tensors)
+    if isinstance(tensors, (TensorMethods, np.ndarray)) or not hasattr(tensors, "__iter__"):
+        raise TypeError(f"cat takes a list or tuple of tensors, got a {type(tensors).__name__}; "
+                        f"write cat([a, b], dim).")
+    tensors = [as_tensor(t) for t in tensors]
     if not tensors:
         raise ValueError("cat() needs at least one tensor.")
     nd = tensors[0].ndim
-    axis = dim % nd
+    if nd == 0:
+        raise ValueError(f"cat: 0-d tensors have no dim to join along (shapes "
+                         f"{[tuple(x.shape) for x in tensors]}); reshape each to (1,) first: "
+                         f"cat([t.reshape(1) for t in tensors]).")
+    axis = as_dim(dim, tuple(tensors[0].shape), op="cat")
     for t in tensors[1:]:
         if t.ndim != nd or any(a != b for i, (a, b) in enumerate(zip(t.shape, tensors[0].shape))
                                if i != axis):

@@ -274,6 +274,30 @@ def _reduce_table() -> dict:
     return _REDUCE
 
 
+_NUMPY_OPS: dict = {}
+
+
+def _numpy_op(op: str, dtype: np.dtype):
+    """max/min as numpy computes them, for the dtypes where MPI's builtin ops differ.
+
+    MPI_MAX/MIN drop NaN (C's comparisons), so a "replicated" max could differ by rank from
+    numpy's, which propagates it; and MPICH has no MAX for bools. The op is declared
+    non-commutative so that MPI combines the operands in rank order: every rank then gets the
+    same bits (which of two NaNs, or of -0.0 and 0.0, survives).
+    """
+    key = (op, dtype)
+    if key not in _NUMPY_OPS:
+        ufunc = np.maximum if op == "max" else np.minimum
+
+        def combine(inbuf, inoutbuf, datatype):  # inoutbuf = inbuf (lower rank) op inoutbuf
+            a = np.frombuffer(inbuf, dtype)
+            b = np.frombuffer(inoutbuf, dtype)
+            ufunc(a, b, out=b)
+
+        _NUMPY_OPS[key] = _mpi().Op.Create(combine, commute=False)
+    return _NUMPY_OPS[key]
+
+
 def _even_sizes(total: int, n: int, what: str) -> list[int]:
     if total % n:
         raise ValueError(f"{what}: dim of size {total} does not split evenly over {n} ranks; "
@@ -309,13 +333,16 @@ class Comm:
                 log.events.append(ev)
 
     @staticmethod
-    def _op(op: str):
+    def _op(op: str, dtype):
+        """The MPI op of ``op`` on ``dtype``: MPI's own, except max/min of floats and bools."""
         mpi_op = _REDUCE.get(op) if type(op) is str else None
-        if mpi_op is not None:
-            return mpi_op
-        if op not in REDUCE_OPS:
-            raise ValueError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}.")
-        return _reduce_table()[op]
+        if mpi_op is None:
+            if op not in REDUCE_OPS:
+                raise ValueError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}.")
+            mpi_op = _reduce_table()[op]
+        if (op == "max" or op == "min") and (dtype.kind == "f" or dtype.kind == "b"):
+            return _numpy_op(op, dtype)
+        return mpi_op
 
     def _agree(self, what: str, mine: tuple) -> None:
         """With DTENSOR_COMM_CHECK=1: every rank checks that its peers passed matching buffers.
@@ -348,7 +375,7 @@ class Comm:
         """
         x = _contig(x)
         dtype = x.dtype
-        mpi_op = self._op(op)
+        mpi_op = self._op(op, dtype)
         if op == "avg" and dtype.kind != "f":
             raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {dtype}.")
         if self._check:
@@ -421,7 +448,7 @@ class Comm:
         shape, dtype = x.shape, x.dtype
         if axis:
             axis %= max(len(shape), 1)
-        mpi_op = self._op(op)
+        mpi_op = self._op(op, dtype)
         if sizes is None:
             n = shape[axis] // self.size
             if n * self.size != shape[axis]:
@@ -550,26 +577,41 @@ class Comm:
         return None
 
     # -- agreement: collective entry points that take user metadata, and blocks that may fail
-    def check_same(self, what: str, fix: str = "", **fields) -> None:
-        """Collective: raise the same ValueError on every rank unless all passed equal ``fields``.
+    def check_same(self, what: str, fix: str = "", *, error: BaseException | None = None,
+                   **fields) -> None:
+        """Collective: raise the same error on every rank unless all passed equal ``fields``.
 
         Ranks that disagree on metadata would otherwise hang inside MPI or silently compute
-        garbage. One allgather of an 8-byte digest of ``repr(fields)`` (microseconds); only on a
-        mismatch a second one carries the values, so the error names the ranks and what each
-        passed. ``fix`` is appended to the message.
+        garbage. One allgather of an 8-byte digest of ``repr(fields)`` and ``error``
+        (microseconds); only on a mismatch a second one carries the values, so the error names
+        the ranks and what each passed. ``error``: this rank's own validation failure, if any:
+        when some ranks failed it, every rank raises the lowest failing rank's error (same type
+        and message); otherwise a ValueError lists the fields that differ, with ``fix``.
         """
         if self.size == 1:
+            if error is not None:
+                raise error
             return
-        text = repr(sorted(fields.items()))
+        mine = None if error is None else (type(error).__module__, type(error).__qualname__,
+                                           str(error))
+        text = repr((sorted(fields.items()), mine))
         digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=8).digest(), np.int64)
         got = self._allgather_digest(what, digest)
         if (got == got[0]).all():
+            if error is not None:  # every rank failed alike: its own error, traceback and all
+                raise error
             return
-        theirs = self._c.allgather({k: repr(v) for k, v in fields.items()})
+        theirs = self._c.allgather(({k: v if type(v) is str else repr(v)
+                                     for k, v in fields.items()}, mine))
+        failed = [r for r, (_, e) in enumerate(theirs) if e is not None]
+        if failed:
+            mod, name, msg = theirs[failed[0]][1]
+            raise _rebuild_error(mod, name, f"{what} failed on rank {self.ranks[failed[0]]}: "
+                                            f"{msg}", error) from error
         lines = []
         for k in fields:
             by_value: dict[str, list[int]] = {}
-            for r, t in enumerate(theirs):
+            for r, (t, _) in enumerate(theirs):
                 by_value.setdefault(t[k], []).append(self.ranks[r])
             if len(by_value) > 1:
                 lines.append(f"{k}: " + ", ".join(f"{v} on ranks {rs}"
@@ -604,30 +646,17 @@ class Comm:
         """Collective: run a block on every rank; if it raised on any, raise on every rank.
 
         A rank whose part of a collective operation fails (a bad path, a full disk) must not
-        leave its peers waiting in the next collective. On exit every rank learns who failed
-        (one allgather of a flag); the lowest failing rank's error is re-raised everywhere with
-        the same type and message, naming that rank. The block itself must not run collectives
-        that a failing rank would skip.
+        leave its peers waiting in the next collective: on exit the ranks agree (check_same's
+        one allgather) and the lowest failing rank's error is raised everywhere with the same
+        type and message, naming that rank. The block must not run collectives that a failing
+        rank would skip.
         """
         err: BaseException | None = None
         try:
             yield
         except Exception as e:  # noqa: BLE001 - every error is shared, then re-raised
             err = e
-        if self.size == 1:
-            if err is not None:
-                raise err
-            return
-        flags = self._allgather_digest(what, np.array([err is not None], np.int64))
-        if not flags.any():
-            return
-        first = int(np.flatnonzero(flags)[0])
-        sent = None
-        if self.rank == first:
-            sent = (type(err).__module__, type(err).__qualname__, str(err))
-        mod, name, msg = self._c.bcast(sent, root=first)  # metadata only
-        message = f"{what} failed on rank {self.ranks[first]}: {msg}"
-        raise _rebuild_error(mod, name, message, err) from err
+        self.check_same(what, error=err)
 
     # -- groups
     def subgroup(self, partition: Sequence[Sequence[int]]) -> "Comm":

@@ -157,20 +157,31 @@ class DTensor(TensorMethods):
         """
         t = local if isinstance(local, TensorMethods) else Tensor(local)
         arr = t.data if isinstance(t, Tensor) else np.asarray(local)
-        placements = _check_placements(device_mesh, placements, arr.shape)
-        if shape is None:
-            gshape = list(arr.shape)
-            for m, p in enumerate(placements):
-                if isinstance(p, Shard):
-                    gshape[p.dim] *= device_mesh.size(m)
-            shape = tuple(gshape)
-        spec = DTensorSpec(device_mesh, placements, tuple(int(n) for n in shape), arr.dtype)
+
+        def check() -> DTensorSpec:
+            nonlocal shape
+            ps = _check_placements(device_mesh, placements, arr.shape)
+            if shape is None:
+                gshape = list(arr.shape)
+                for m, p in enumerate(ps):
+                    if isinstance(p, Shard):
+                        gshape[p.dim] *= device_mesh.size(m)
+                shape = tuple(gshape)
+            spec = DTensorSpec(device_mesh, ps, _shape_arg(shape), arr.dtype)
+            if not run_check and _local_block(spec)[0] != arr.shape:
+                raise ValueError(f"from_local: this rank's block has shape {arr.shape} but "
+                                 f"{list(ps)} of global shape {spec.shape} gives "
+                                 f"{_local_block(spec)[0]} here; pass shape= (the global "
+                                 f"shape).")
+            return spec
+
+        if shape is None:  # the global shape follows from each rank's own block
+            spec = check()
+        else:
+            spec = _agreed(device_mesh, "DTensor.from_local", check, shape=shape,
+                           placements=placements, dtype=str(arr.dtype))
         if run_check:
             _check_from_local(arr, spec)
-        elif _local_block(spec)[0] != arr.shape:
-            raise ValueError(f"from_local: this rank's block has shape {arr.shape} but "
-                             f"{list(placements)} of global shape {spec.shape} gives "
-                             f"{_local_block(spec)[0]} here; pass shape= (the global shape).")
         out = DTensor._make(arr, spec)
         if autograd.is_grad_enabled() and t.requires_grad:
             autograd.record(_FROM_LOCAL, (t,), {}, out)
@@ -185,7 +196,8 @@ class DTensor(TensorMethods):
 
     def full_tensor(self) -> Tensor:
         """The whole tensor on every rank (an all-gather / all-reduce as needed)."""
-        return self.redistribute(placements=[Replicate()] * self.device_mesh.ndim).to_local()
+        return _redistribute(self, (Replicate(),) * self.device_mesh.ndim,
+                             boundary=True).to_local()
 
     def redistribute(self, device_mesh: DeviceMesh | None = None,
                      placements: Sequence[Placement] | None = None, *,
@@ -200,14 +212,19 @@ class DTensor(TensorMethods):
         if device_mesh is not None and device_mesh != self.device_mesh:
             raise NotImplementedError(f"redistribute to another mesh ({device_mesh}) is not "
                                       f"supported; the tensor lives on {self.device_mesh}.")
-        placements = _check_placements(self.device_mesh, placements or self.placements,
-                                       self.shape)
-        for m, p in enumerate(placements):
-            if isinstance(p, Partial) and p != self.placements[m]:
-                raise ValueError(f"redistribute to {p} (mesh dim {m}) is not allowed: Partial "
-                                 f"is a pending reduction that only ops produce. Use "
-                                 f"Replicate() or Shard(d).")
-        return _redistribute(self, placements, async_op, boundary=True)
+
+        def check() -> tuple[Placement, ...]:
+            ps = _check_placements(self.device_mesh, placements or self.placements, self.shape)
+            for m, p in enumerate(ps):
+                if isinstance(p, Partial) and p != self.placements[m]:
+                    raise ValueError(f"redistribute to {p} (mesh dim {m}) is not allowed: "
+                                     f"Partial is a pending reduction that only ops produce. "
+                                     f"Use Replicate() or Shard(d).")
+            return ps
+
+        ps = _agreed(self.device_mesh, "redistribute", check, placements=placements,
+                     source=self._spec)
+        return _redistribute(self, ps, async_op, boundary=True)
 
     # -- in-place updates (optimizers): replace the local block, never the graph
     def _assign(self, new: "DTensor") -> None:
@@ -313,6 +330,27 @@ _FROM_LOCAL = Op("from_local", impl=None, abstract=None, linearity="all",
                      g._loc(), g._spec, _grad_placements(out.placements, g.placements))),))
 
 
+def _agreed(mesh: DeviceMesh, what: str, check, **fields):
+    """``check()`` (this rank's validation, returning the checked value), agreed on by every
+    rank of ``mesh``: ranks that passed different ``fields``, or where ``check`` failed on some
+    ranks only, raise the same error on every rank instead of hanging in the collective that
+    follows or computing a silently wrong result (DESIGN section 5)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what}: device_mesh must be a DeviceMesh (init_device_mesh('cpu', "
+                        f"shape)), got {type(mesh).__name__} {mesh!r}.")
+    error, result = None, None
+    try:
+        result = check()
+    except (ValueError, TypeError, IndexError) as e:
+        error = e
+    if mesh.size() > 1:
+        from dtensor.comm import get_world
+        get_world().check_same(what, error=error, **fields)
+    elif error is not None:
+        raise error
+    return result
+
+
 def _check_from_local(arr: np.ndarray, spec: DTensorSpec) -> None:
     from dtensor.comm import get_world
     mine = (arr.shape, str(arr.dtype), _local_block(spec)[0], tuple(map(repr, spec.placements)),
@@ -346,7 +384,7 @@ def _as_arg(a, mesh):
                 f"an op mixes a plain Tensor (shape {tuple(a.shape)}) with DTensors on {mesh}. "
                 f"Make it a DTensor (distribute_tensor(t, mesh, [Replicate()] * mesh.ndim) or "
                 f"DTensor.from_local), or run the op inside dtensor.implicit_replication().")
-        return distribute_tensor(a, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+        return _distribute(a, mesh, (Replicate(),) * mesh.ndim, None)  # per op: no agreement
     if isinstance(a, np.ndarray):
         return _as_arg(Tensor(a), mesh)
     return a
@@ -531,7 +569,15 @@ def distribute_tensor(tensor, device_mesh: DeviceMesh, placements: Sequence[Plac
             different values agree); None uses each rank's own data without communication.
     """
     t = tensor if isinstance(tensor, Tensor) else Tensor(tensor)
-    placements = _check_placements(device_mesh, placements, t.shape)
+    placements = _agreed(device_mesh, "distribute_tensor",
+                         lambda: _check_placements(device_mesh, placements, t.shape),
+                         shape=tuple(t.shape), dtype=str(t.dtype), placements=placements,
+                         src_data_rank=src_data_rank)
+    return _distribute(t, device_mesh, placements, src_data_rank)
+
+
+def _distribute(t: Tensor, device_mesh: DeviceMesh, placements: tuple[Placement, ...],
+                src_data_rank: int | None) -> DTensor:
     arr = t.data
     if src_data_rank is not None and device_mesh.size() > 1:
         from dtensor.comm import get_world

@@ -295,3 +295,28 @@ def test_fail_together_raises_the_same_error_on_every_rank(comm, rank, make):
         assert theirs[0] == theirs[1]
     with comm.fail_together("save"):  # no error anywhere: nothing raised
         pass
+
+
+def _bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+@pytest.mark.parametrize("n", RANKS[1:])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bool", "int8", "uint8"])
+def test_max_min_follow_numpy_nan_semantics_with_the_same_bits_everywhere(n, dtype, comm, rank):
+    """MPI_MAX drops NaN and has no bool form; numpy's max propagates NaN and takes bools."""
+    def block(r):
+        a = data(r, (4, 6), "float64")
+        if np.dtype(dtype).kind == "f":
+            a[r % 4, :: r + 1] = np.nan  # a NaN on some ranks only, in different places
+            a[3, 5] = -0.0 if r % 2 else 0.0
+        return a.astype(dtype) if dtype != "bool" else a > 0
+    inputs = [block(r) for r in range(n)]
+    for op, ref in (("max", np.max(inputs, 0)), ("min", np.min(inputs, 0))):
+        out = comm.all_reduce(inputs[rank], op=op)
+        assert out.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(out, ref)  # NaN where numpy has NaN
+        theirs = comm._c.allgather(_bits(out))
+        assert len(set(theirs)) == 1, f"{op}: ranks got different bits"
+        got = comm.reduce_scatter(np.concatenate([inputs[rank]] * n), op=op)
+        np.testing.assert_array_equal(got, ref)

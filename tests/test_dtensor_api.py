@@ -196,3 +196,82 @@ def test_distribute_module_and_debug_log(rank, capsys, monkeypatch):
     out.full_tensor()
     printed = capsys.readouterr().out
     assert ("redistribute (2, 6) float32: [S(1)] -> [R]" in printed) == (rank == 0), printed
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_ranks_that_pass_different_metadata_fail_together(rank):
+    """Every collective entry point that takes user metadata raises the same error on every
+    rank, naming the ranks and their values, instead of hanging or computing garbage."""
+    import time
+
+    from dtensor.comm import get_world
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    mesh2 = dtensor.init_device_mesh("cpu", (1, 2))
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    d = distribute_tensor(x, mesh, [Shard(0)])
+    one = rank == 1
+    cases = [  # (name, call, exception type, regex)
+        ("distribute shape", lambda: distribute_tensor(np.ones((4, 6 + rank)), mesh, [Shard(0)]),
+         ValueError, r"distribute_tensor: .*shape: \(4, 6\) on ranks \[0\], \(4, 7\) on ranks "
+                     r"\[1\]"),
+        ("distribute dtype", lambda: distribute_tensor(x.astype("float64" if one else "float32"),
+                                                       mesh, [Shard(0)]),
+         ValueError, r"dtype: float32 on ranks \[0\], float64 on ranks \[1\]"),
+        ("distribute placements", lambda: distribute_tensor(x, mesh, [Shard(rank)]),
+         ValueError, r"placements: \[S\(0\)\] on ranks \[0\], \[S\(1\)\] on ranks \[1\]"),
+        ("distribute 2-d placements", lambda: distribute_tensor(
+            x, mesh2, [Replicate(), Shard(0) if one else Replicate()]), ValueError,
+         r"placements: \[R, R\] on ranks \[0\], \[R, S\(0\)\] on ranks \[1\]"),
+        ("distribute src", lambda: distribute_tensor(x, mesh, [Shard(0)], src_data_rank=rank),
+         ValueError, r"src_data_rank: 0 on ranks \[0\], 1 on ranks \[1\]"),
+        ("distribute bad on one rank", lambda: distribute_tensor(x, mesh, [Shard(5 * rank)]),
+         ValueError, r"distribute_tensor failed on rank 1: S\(5\) is out of range"),
+        ("from_local shape", lambda: DTensor.from_local(np.ones((2, 3)), mesh, [Shard(0)],
+                                                         shape=(4, 3) if one else (3, 3)),
+         ValueError, r"from_local: .*shape: \(3, 3\) on ranks \[0\], \(4, 3\) on ranks \[1\]"),
+        ("from_local placements", lambda: DTensor.from_local(
+            np.ones((2, 2)), mesh, [Shard(rank)], shape=(4, 2) if rank == 0 else (2, 4)),
+         ValueError, r"placements: \[S\(0\)\] on ranks \[0\], \[S\(1\)\] on ranks \[1\]"),
+        ("from_local dtype", lambda: DTensor.from_local(
+            np.ones((2, 3), "float64" if one else "float32"), mesh, [Shard(0)], shape=(4, 3)),
+         ValueError, r"dtype: float32 on ranks \[0\], float64 on ranks \[1\]"),
+        ("redistribute placements", lambda: d.redistribute(mesh, [Shard(rank)]),
+         ValueError, r"redistribute: .*placements: \[S\(0\)\] on ranks \[0\], \[S\(1\)\] on "
+                     r"ranks \[1\]"),
+        ("redistribute bad on one rank", lambda: d.redistribute(
+            mesh, [Partial() if one else Replicate()]),
+         ValueError, r"redistribute failed on rank 1: redistribute to P\(sum\)"),
+        ("mesh type", lambda: distribute_tensor(x, "tp", [Shard(0)]), TypeError,
+         r"device_mesh must be a DeviceMesh.*got str 'tp'"),
+    ]
+    comm = get_world()
+    for name, call, exc, pattern in cases:
+        t = time.perf_counter()
+        with pytest.raises(exc, match=pattern) as info:
+            call()
+        assert time.perf_counter() - t < 1.0, name
+        theirs = comm._c.allgather((type(info.value).__name__, str(info.value)))
+        assert theirs[0] == theirs[1], (name, theirs)
+    # and agreeing ranks still work, with the right values
+    np.testing.assert_array_equal(d.redistribute(mesh, [Replicate()]).to_local().numpy(), x)
+    np.testing.assert_array_equal(distribute_tensor(x, mesh2, [Replicate(), Shard(1)])
+                                  .full_tensor().numpy(), x)
+
+
+@pytest.mark.ranks(2, timeout=120)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bool"])
+def test_sharded_max_matches_numpy_with_nan_and_bool(rank, dtype):
+    """A NaN on one shard makes the max NaN on every rank (MPI_MAX alone drops it), with the
+    same bits; bools reduce too (MPICH has no MAX for them)."""
+    from dtensor.comm import get_world
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    x = np.arange(24, dtype=np.float64).reshape(4, 6) % 7 - 3
+    x[0, 1] = x[3, 4] = np.nan
+    x = x > 0 if dtype == "bool" else x.astype(dtype)
+    for placements in ([Shard(0)], [Shard(1)]):
+        d = distribute_tensor(x, mesh, placements)
+        for axis in (None, 0, 1):
+            got = d.max(axis).full_tensor().numpy()
+            np.testing.assert_array_equal(got, np.max(x, axis=axis))
+            bits = get_world()._c.allgather(np.ascontiguousarray(got).tobytes())
+            assert bits[0] == bits[1]

@@ -12,12 +12,15 @@ from typing import Sequence
 import numpy as np
 
 from dtensor.comm import Comm, get_world
+from dtensor.validate import as_int, as_shape
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
+_NAMES_EXAMPLE = "mesh_dim_names=('dp', 'tp')"
+
 
 def _check_device(device_type: str) -> None:
-    if device_type != "cpu":
+    if not isinstance(device_type, str) or device_type != "cpu":
         raise ValueError(f"device_type {device_type!r} is not supported yet: dtensor runs on "
                          f"'cpu' ranks over MPI. Use init_device_mesh('cpu', ...).")
 
@@ -25,7 +28,18 @@ def _check_device(device_type: str) -> None:
 def _check_names(names, ndim: int) -> tuple[str, ...] | None:
     if names is None:
         return None
+    if isinstance(names, str):
+        raise TypeError(f"mesh_dim_names must be a tuple with one name per mesh dim, got the "
+                        f"string {names!r}; write mesh_dim_names=({names!r},) for a 1-d mesh "
+                        f"or {_NAMES_EXAMPLE}.")
+    if not isinstance(names, (tuple, list)):
+        raise TypeError(f"mesh_dim_names must be a tuple of strings, one per mesh dim, got "
+                        f"{names!r}; e.g. {_NAMES_EXAMPLE}.")
     names = tuple(names)
+    odd = [n for n in names if not isinstance(n, str)]
+    if odd:
+        raise TypeError(f"mesh_dim_names {names!r} must all be strings, got {odd[0]!r} (a "
+                        f"{type(odd[0]).__name__}); e.g. {_NAMES_EXAMPLE}.")
     if len(names) != ndim:
         raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {ndim}-d mesh; "
                          f"give one name per mesh dim.")
@@ -33,6 +47,29 @@ def _check_names(names, ndim: int) -> tuple[str, ...] | None:
     if dup:
         raise ValueError(f"mesh_dim_names {names} repeats {dup}; each dim needs its own name.")
     return names
+
+
+def _check_mesh(device_type, mesh, names, world_size: int) -> np.ndarray:
+    """The user's mesh as an int64 array of ranks, each rank of the job exactly once."""
+    _check_device(device_type)
+    try:
+        arr = np.asarray(getattr(mesh, "tolist", lambda: mesh)())
+    except ValueError:  # ragged nesting
+        raise ValueError(f"DeviceMesh: the mesh {mesh!r} is ragged; give a rectangular array "
+                         f"of ranks, e.g. [[0, 1], [2, 3]].") from None
+    if arr.ndim == 0 or arr.size == 0:
+        raise ValueError(f"a DeviceMesh needs at least one dim and one rank, got {mesh!r}.")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"DeviceMesh: the mesh must hold integer ranks, got {mesh!r} (numpy "
+                        f"dtype {arr.dtype}); e.g. [[0, 1], [2, 3]].")
+    arr = arr.astype(np.int64)
+    _check_names(names, arr.ndim)
+    if sorted(arr.reshape(-1).tolist()) != list(range(world_size)):
+        raise ValueError(
+            f"DeviceMesh {arr.tolist()} must hold each of the {world_size} ranks of this "
+            f"job exactly once (ranks 0..{world_size - 1}); launch with dtlaunch "
+            f"--nproc {arr.size} or use a mesh of {world_size} ranks.")
+    return arr
 
 
 class DeviceMesh:
@@ -50,21 +87,26 @@ class DeviceMesh:
 
     def __init__(self, device_type: str, mesh, *, mesh_dim_names: Sequence[str] | None = None,
                  _comms: tuple[Comm, ...] | None = None):
-        _check_device(device_type)
-        arr = np.array(getattr(mesh, "tolist", lambda: mesh)(), dtype=np.int64)
-        if arr.ndim == 0 or arr.size == 0:
-            raise ValueError(f"a DeviceMesh needs at least one dim and one rank, got {mesh!r}.")
+        world = get_world()
+        if _comms is None:
+            # Every rank must build the same mesh before the Split below, or ranks hang in it:
+            # one agreement on the arguments, and a local error raised on every rank.
+            error = None
+            try:
+                arr = _check_mesh(device_type, mesh, mesh_dim_names, world.size)
+            except (TypeError, ValueError) as e:
+                error = e
+            world.check_same("DeviceMesh", "Build the mesh with the same arguments on every "
+                             "rank.", error=error, device_type=device_type,
+                             mesh=getattr(mesh, "tolist", lambda: mesh)(),
+                             mesh_dim_names=mesh_dim_names)
+        else:  # a sub-mesh of a checked one
+            arr = np.asarray(mesh)
         self.device_type = device_type
         self.mesh = arr
-        self.mesh_dim_names = _check_names(mesh_dim_names, arr.ndim)
-        world = get_world()
+        self.mesh_dim_names = None if mesh_dim_names is None else tuple(mesh_dim_names)
         self._rank = world.rank
         if _comms is None:
-            if sorted(arr.reshape(-1).tolist()) != list(range(world.size)):
-                raise ValueError(
-                    f"DeviceMesh {arr.tolist()} must hold each of the {world.size} ranks of this "
-                    f"job exactly once (ranks 0..{world.size - 1}); launch with dtlaunch "
-                    f"--nproc {arr.size} or use a mesh of {world.size} ranks.")
             _comms = tuple(world.subgroup(self._partition(d)) for d in range(arr.ndim))
         self._comms = _comms
         # Specs hash and compare meshes on every DTensor op: compute the identity once.
@@ -73,6 +115,18 @@ class DeviceMesh:
         self._hash = hash(self._ident)
         where = np.argwhere(arr == self._rank)
         self._coord = [int(c) for c in where[0]] if len(where) else None
+
+    def check_same(self, what: str, fix: str = "", *, error: BaseException | None = None,
+                   **fields) -> None:
+        """Collective over this mesh's ranks: :meth:`Comm.check_same` (the same error on every
+        rank unless all passed equal ``fields`` and none raised ``error``). A sub-mesh has no
+        communicator of its own: agreement along each of its dims is agreement over it."""
+        world = get_world()
+        if self.mesh.size == world.size:
+            world.check_same(what, fix, error=error, **fields)
+            return
+        for comm in self._comms:
+            comm.check_same(what, fix, error=error, **fields)
 
     def _partition(self, dim: int) -> list[list[int]]:
         """The groups of mesh dim ``dim``: ranks that agree on every other coordinate."""
@@ -99,6 +153,8 @@ class DeviceMesh:
                 raise KeyError(f"mesh has no dim named {mesh_dim!r}; its dims are "
                                f"{self._dims_text()}.")
             return self.mesh_dim_names.index(mesh_dim)
+        mesh_dim = as_int(mesh_dim, "mesh dim", fix=f"Give a dim index or name of the mesh "
+                          f"{self._dims_text()}.")
         if not -self.ndim <= mesh_dim < self.ndim:
             raise IndexError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-d mesh "
                              f"{self._dims_text()}.")
@@ -127,7 +183,13 @@ class DeviceMesh:
 
     def __getitem__(self, names: str | Sequence[str]) -> "DeviceMesh":
         """The sub-mesh over the named dims (in the given order) that contains this rank."""
-        names = (names,) if isinstance(names, str) else tuple(names)
+        if isinstance(names, str):
+            names = (names,)
+        elif not (isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names)):
+            raise TypeError(f"a mesh is sliced by dim names, e.g. mesh['tp'] or mesh[('dp', "
+                            f"'tp')], got {names!r}; its dims are {self._dims_text()}.")
+        else:
+            names = tuple(names)
         dims = [self._dim(n) for n in names]
         if len(set(dims)) != len(dims):
             raise ValueError(f"mesh dims {names} name the same dim twice.")
@@ -157,14 +219,24 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     Example (under ``dtlaunch --nproc 8``):
         >>> mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     """
-    _check_device(device_type)
-    shape = tuple(int(n) for n in mesh_shape)
-    if not shape or any(n <= 0 for n in shape):
-        raise ValueError(f"mesh_shape must be positive sizes, got {tuple(mesh_shape)}.")
-    _check_names(mesh_dim_names, len(shape))
-    world = get_world().size
-    if int(np.prod(shape)) != world:
-        raise ValueError(f"mesh_shape {shape} holds {int(np.prod(shape))} ranks but this job has "
-                         f"{world}; launch with dtlaunch --nproc {int(np.prod(shape))}, or pick "
-                         f"a shape whose product is {world}.")
-    return DeviceMesh(device_type, np.arange(world).reshape(shape), mesh_dim_names=mesh_dim_names)
+    world = get_world()
+    error, shape = None, ()
+    try:
+        _check_device(device_type)
+        shape = as_shape(mesh_shape, "mesh_shape", positive=True,
+                         fix="e.g. (2, 4) for 2 x 4 ranks.")
+        if not shape:
+            raise ValueError("mesh_shape () has no dims; e.g. (2, 4) for 2 x 4 ranks.")
+        _check_names(mesh_dim_names, len(shape))
+        if int(np.prod(shape)) != world.size:
+            raise ValueError(f"mesh_shape {shape} holds {int(np.prod(shape))} ranks but this job "
+                             f"has {world.size}; launch with dtlaunch --nproc "
+                             f"{int(np.prod(shape))}, or pick a shape whose product is "
+                             f"{world.size}.")
+    except (TypeError, ValueError) as e:
+        error = e
+    world.check_same("init_device_mesh", "Build the mesh with the same arguments on every rank.",
+                     error=error, device_type=device_type, mesh_shape=mesh_shape,
+                     mesh_dim_names=mesh_dim_names)
+    return DeviceMesh(device_type, np.arange(world.size).reshape(shape),
+                      mesh_dim_names=mesh_dim_names)

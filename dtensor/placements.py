@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_size_and_offset"]
+from dtensor.validate import as_int
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_size_and_offset",
+           "as_placements"]
 
 
 class Placement:
@@ -45,6 +49,12 @@ class Shard(Placement):
 
     dim: int
 
+    def __post_init__(self):
+        if type(self.dim) is not int:  # a numpy int becomes an int; a float is an error
+            object.__setattr__(self, "dim", as_int(
+                self.dim, "Shard(dim): dim", fix="Shard takes the tensor dim to split, e.g. "
+                "Shard(0)."))
+
     def __repr__(self) -> str:
         return f"S({self.dim})"
 
@@ -73,3 +83,28 @@ class Partial(Placement):
 
     def __repr__(self) -> str:
         return f"P({self.reduce_op})"
+
+
+def as_placements(placements, mesh, shape: Sequence[int]) -> tuple[Placement, ...]:
+    """``placements`` checked against ``mesh`` (a DeviceMesh) and a tensor of ``shape``: a
+    sequence of exactly one Placement per mesh dim, each Shard's dim in range; negative Shard
+    dims come back resolved."""
+    if isinstance(placements, Placement) or not isinstance(placements, (list, tuple)):
+        raise TypeError(f"placements must be a list with one placement per mesh dim, e.g. "
+                        f"[Shard(0)] for a 1-d mesh, got {placements!r}.")
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"got {len(placements)} placements {list(placements)} for a "
+                         f"{mesh.ndim}-d mesh {mesh}; give exactly one per mesh dim.")
+    ndim = len(shape)
+    out = []
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"placements must be Shard(d), Replicate() or Partial(op), got "
+                            f"{p!r} in {list(placements)!r}.")
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise ValueError(f"{p} is out of range for a tensor of shape {tuple(shape)} "
+                                 f"({ndim} dims).")
+            p = Shard(p.dim % ndim) if p.dim < 0 else p
+        out.append(p)
+    return tuple(out)

@@ -24,6 +24,11 @@ def _tail(fix: str) -> str:
     return f" {fix}" if fix else ""
 
 
+def _kind(value) -> str:
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def as_int(value, what: str, *, low: int | None = None, fix: str = "") -> int:
     """``value`` as a Python int: an int or numpy integer (anything with ``__index__``), not a
     bool, float or string, and at least ``low`` when given.
@@ -36,7 +41,7 @@ def as_int(value, what: str, *, low: int | None = None, fix: str = "") -> int:
     try:
         out = operator.index(value)
     except TypeError:
-        raise TypeError(f"{what} must be an integer, got {value!r} (a {type(value).__name__})."
+        raise TypeError(f"{what} must be an integer, got {value!r} ({_kind(value)})."
                         f"{_tail(fix)}") from None
     if low is not None and out < low:
         bound = "positive" if low == 1 else "non-negative" if low == 0 else f">= {low}"
@@ -49,8 +54,8 @@ def as_real(value, what: str, *, low: float | None = None, high: float | None = 
     """``value`` as a float: a real number (not a bool or string) in [low, high]; ``low_open``
     / ``high_open`` exclude the bound. NaN is never in range."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a real number, got {value!r} (a "
-                        f"{type(value).__name__}).{_tail(fix)}")
+        raise TypeError(f"{what} must be a real number, got {value!r} ("
+                        f"{_kind(value)}).{_tail(fix)}")
     out = float(value)
     below = low is not None and (out <= low if low_open else out < low)
     above = high is not None and (out >= high if high_open else out > high)
@@ -79,23 +84,34 @@ def as_dim(dim, shape: Sequence[int] | int, *, op: str = "", what: str = "dim",
     return d % n
 
 
-def as_shape(shape, what: str = "shape", *, infer: bool = False, fix: str = "") -> tuple:
-    """``shape`` as a tuple of non-negative ints; with ``infer``, entries may also be -1 (a
-    size worked out by the caller: reshape's inferred dim, expand's kept one)."""
-    if type(shape) is tuple and all(type(n) is int and n >= -infer for n in shape):
-        return shape  # the common case, on every reshape: no per-entry conversion
+def as_shape(shape, what: str = "shape", *, infer: bool = False, positive: bool = False,
+             fix: str = "") -> tuple:
+    """``shape`` as a tuple of non-negative ints (positive ones with ``positive``); with
+    ``infer``, entries may also be -1 (a size worked out by the caller: reshape's inferred
+    dim, expand's kept one)."""
+    if type(shape) is tuple:  # the common case, on every reshape: no per-entry conversion
+        for n in shape:
+            if type(n) is not int or n <= 0:
+                break
+        else:
+            return shape
+
+    def fine(n):
+        return n > 0 or n == 0 and not positive or n == -1 and infer
+
     if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, np.ndarray)):
         raise TypeError(f"{what} must be a sequence of integers such as (2, 3), got {shape!r} "
-                        f"(a {type(shape).__name__}).{_tail(fix)}")
+                        f"({_kind(shape)}).{_tail(fix)}")
     out = []
     for i, n in enumerate(shape):
         try:
             out.append(as_int(n, what))
         except TypeError:
             raise TypeError(f"{what} {tuple(shape)!r} must hold integers; entry {i} is {n!r} "
-                            f"(a {type(n).__name__}).{_tail(fix)}") from None
-    bad = [n for n in out if n < 0 and not (infer and n == -1)]
+                            f"({_kind(n)}).{_tail(fix)}") from None
+    bad = [n for n in out if not fine(n)]
     if bad:
-        allowed = "non-negative sizes, or -1" if infer else "non-negative sizes"
+        allowed = "positive sizes" if positive else "non-negative sizes"
+        allowed += ", or -1" if infer else ""
         raise ValueError(f"{what} {tuple(out)} has {bad[0]}: it takes {allowed}.{_tail(fix)}")
     return tuple(out)

@@ -13,8 +13,10 @@ file imports nothing from dtensor and only the standard library, mpi4py and clou
 The launcher talks to the ranks through environment variables and files in one private
 directory (``DTENSOR_LAUNCH_DIR``): ``rank{r}.pid`` (pid and host, for SIGUSR1 and killing),
 ``rank{r}.stack`` (faulthandler's dump on SIGUSR1), ``rank{r}.err`` (the traceback of an uncaught
-exception, written instead of printing it so that dtlaunch shows it exactly once, last) and, for
-the pool, ``rank{r}.out`` (the rank's stdout+stderr) and the AF_UNIX socket ``pool.sock``.
+exception, written instead of printing it so that dtlaunch shows it exactly once, last),
+``rank{r}.done`` (when and how the script ended without an error), ``rank{r}.orphan`` (the
+rank's parent, MPI's process manager, died) and, for the pool,
+``rank{r}.out`` (the rank's stdout+stderr) and the AF_UNIX socket ``pool.sock``.
 """
 from __future__ import annotations
 
@@ -153,8 +155,7 @@ def start_rank() -> RankInfo:
                       json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     else:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if os.environ.get(ENV_PARENT):
-        _exit_with_launcher(info.rank)
+    _exit_when_orphaned(info.rank)
     return info
 
 
@@ -172,18 +173,42 @@ def _launcher_gone() -> bool:
     return False
 
 
-def _exit_with_launcher(rank: int) -> None:
-    """End this rank (and so, through mpiexec, the job) once the launcher process is gone.
+def _exit_when_orphaned(rank: int) -> None:
+    """End this rank (and so, through mpiexec, the job) once its launcher or its parent is gone.
 
     mpiexec runs in a session of its own, so a launcher killed hard (SIGKILL, a CI timeout)
-    would leave ranks stuck in a collective spinning forever. A thread checks every second.
+    would leave ranks stuck in a collective spinning forever. So would the death of the rank's
+    parent, MPI's process manager (hydra's proxy): mpiexec does not notice it while the ranks
+    live (they hold the proxy's socket to mpiexec open), and nobody is left to end them. A
+    thread checks both every second; an orphaned rank leaves ``rank{r}.orphan`` for dtlaunch.
     """
+    parent = os.getppid()
+    try:
+        name = open(f"/proc/{parent}/comm").read().strip()  # noqa: SIM115 (read whole at once)
+    except OSError:  # not Linux
+        name = "parent process"
 
     def watch() -> None:
-        while not _launcher_gone():
+        while True:
             time.sleep(1.0)
-        os.write(2, f"rank {rank}: its launcher is gone; exiting\n".encode())
-        _remove_launch_dir()
+            if os.getppid() != parent:  # re-parented: the process that started this rank died
+                why = f"its MPI process manager {name} (pid {parent}) is gone"
+                report_dir = os.environ.get(ENV_DIR)
+                record = {"rank": rank, "time": time.time(), "pid": parent, "name": name}
+                try:
+                    _write_atomic(os.path.join(report_dir or "/nonexistent",
+                                               f"rank{rank}.orphan"), json.dumps(record))
+                except OSError:  # no launch directory on this host
+                    pass
+                break
+            if _launcher_gone():
+                why = "its launcher is gone"
+                _remove_launch_dir()
+                break
+        try:  # stderr may be a pipe to the dead proxy
+            os.write(2, f"rank {rank}: {why}; exiting\n".encode())
+        except OSError:
+            pass
         os._exit(1)
 
     threading.Thread(target=watch, name="dtensor-launcher-watch", daemon=True).start()
@@ -226,14 +251,16 @@ def run_script(info: RankInfo, argv: list[str]) -> None:
     script = argv[0]
     sys.argv[:] = argv
     sys.path[0] = os.path.realpath(os.path.dirname(script))  # as `python script.py` would
+    report_dir = os.environ.get(ENV_DIR)
     try:
         run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt) as exc:
         set_abort_status(exc)  # a non-zero exit on one rank ends every rank (MPI_Abort at exit)
+        if report_dir and isinstance(exc, SystemExit) and exc.code in (None, 0):
+            _report_finished(report_dir, info.rank, f"called sys.exit({exc.code!r})")
         raise
     except BaseException as exc:  # noqa: BLE001  (anything uncaught ends the job, as in mpi4py)
         set_abort_status(1)
-        report_dir = os.environ.get(ENV_DIR)
         if not report_dir:  # started by hand: print it here, as python would
             tb = _user_tb(exc)  # the hook prints exc.__traceback__, so trim that one
             sys.excepthook(type(exc), exc.with_traceback(tb), tb)
@@ -245,6 +272,14 @@ def run_script(info: RankInfo, argv: list[str]) -> None:
         print(f"dtlaunch: rank {info.rank} raised {type(exc).__name__}; its traceback is printed "
               "when the job has ended", file=sys.stderr)
         raise SystemExit(1) from None
+    if report_dir:
+        _report_finished(report_dir, info.rank, "returned")
+
+
+def _report_finished(report_dir: str, rank: int, how: str) -> None:
+    # dtlaunch watches for ranks that finish while their peers still wait in a collective.
+    _write_atomic(os.path.join(report_dir, f"rank{rank}.done"),
+                  json.dumps({"rank": rank, "time": time.time(), "how": how}))
 
 
 def serve(info: RankInfo) -> None:

@@ -16,6 +16,16 @@ second; the rank writes its traceback to the launch directory instead of printin
 prints it exactly once, as the last lines of its output, after the job's own output has drained.
 With ``--timeout S`` dtlaunch prints every rank's Python stack after S seconds, kills every
 process of the job and exits with 124.
+
+Two ways a job can no longer finish that mpiexec does not notice, so dtlaunch watches for them
+once a second and ends the job with status 1 and a message naming what happened:
+- a rank finished its script (returned, or ``sys.exit(0)``) while others still run, and
+  ``DTENSOR_EXIT_GRACE`` seconds (default 10) later every one of those others sits in a
+  blocking MPI call, at the same place in two looks a second apart: they wait for the finished
+  rank in a collective, forever. Others still computing (rank 0 writing a file or printing a
+  sample after the rest are done) are left alone, however long they take.
+- a child of mpiexec (hydra's proxy, or ssh to a remote host) died while mpiexec still runs;
+  its ranks notice too (their parent is gone) and exit within a second.
 """
 from __future__ import annotations
 
@@ -25,12 +35,18 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from dtensor.launcher.job import MpiJob, find_mpiexec
+from dtensor.launcher.job import MpiJob, find_mpiexec, pid_alive
 
 TIMEOUT_EXIT = 124  # as coreutils' timeout(1)
+GRACE_VAR = "DTENSOR_EXIT_GRACE"
+DEFAULT_GRACE = 10.0
+# A normal end has hydra's proxy exit a moment before mpiexec; a proxy gone this long while
+# mpiexec still runs was killed.
+CHILD_GONE_S = 2.0
 
 
 class _Terminated(BaseException):
@@ -67,8 +83,105 @@ def _check(opts: argparse.Namespace) -> None:
         raise ValueError(f"--timeout must be a positive number of seconds, got {opts.timeout}")
 
 
+def _exit_grace() -> float:
+    text = os.environ.get(GRACE_VAR, str(DEFAULT_GRACE))
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{GRACE_VAR}={text!r} must be a number of seconds >= 0 (default "
+                         f"{DEFAULT_GRACE:g}; 'inf' turns the check for ranks left waiting off)")
+    return value
+
+
 def _ranks(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 10)}"
+
+
+class _Watch:
+    """Notices, between mpiexec's polls, a job that can no longer finish (see the module doc).
+
+    :meth:`check` returns the report to print, its last line naming what failed, or None.
+    """
+
+    def __init__(self, job: MpiJob, grace: float) -> None:
+        self.job, self.grace = job, grace
+        self.children: dict[int, str] = {}
+        self.child_gone_at: float | None = None
+        self.first_done_at: float | None = None
+        self.last_waits: dict[int, str] | None = None
+
+    def check(self) -> str | None:
+        return self._lost_child() or self._left_waiting()
+
+    def _lost_child(self) -> str | None:
+        if not self.children:  # hydra starts them once, at once
+            self.children = self.job.children()
+            return None
+        if self.child_gone_at is None:
+            if all(pid_alive(pid) for pid in self.children):
+                return None
+            self.child_gone_at = time.monotonic()
+            self.children = {p: n for p, n in self.children.items() if not pid_alive(p)}
+        if time.monotonic() - self.child_gone_at < CHILD_GONE_S:
+            return None
+        return self.lost_child_report(1)
+
+    def lost_child_report(self, status: int) -> str | None:
+        """Why the job ended if a child of mpiexec died while the job ran, else None.
+
+        Seen from here (a child of mpiexec gone while mpiexec runs) or from the ranks it
+        started (their ``orphan`` records): once they exit, mpiexec notices and exits too,
+        possibly before this watch looked again.
+        """
+        dead = {pid: (name, []) for pid, name in self.children.items()
+                if self.child_gone_at is not None}
+        for rank, record in sorted(self.job.records("orphan").items()):
+            dead.setdefault(record["pid"], (record["name"], []))[1].append(rank)
+        if not dead:
+            return None
+        what = ", ".join(f"{name} (pid {pid}" + (f", parent of {_ranks(ranks)})" if ranks else ")")
+                         for pid, (name, ranks) in sorted(dead.items()))
+        return (f"dtlaunch: mpiexec's child process {what} died while the job ran (killed?); "
+                "it was the MPI process manager of its host's ranks, which cannot go on without "
+                "it: the job was ended\n"
+                f"dtlaunch: job failed: {what} died; exit status {status}\n")
+
+    def _left_waiting(self) -> str | None:
+        done = self.job.records("done")
+        if not done or self.job.failures():  # nobody finished yet, or an abort is under way
+            return None
+        now = time.monotonic()
+        self.first_done_at = self.first_done_at or now
+        running = sorted(self.job.rank_pids().keys() - done.keys())
+        if not running or now - self.first_done_at < self.grace:
+            return None
+        waits = self.job.mpi_waits(running)
+        where = {r: w for r, (w, _) in waits.items()}
+        stuck = len(waits) == len(running) and where == self.last_waits
+        self.last_waits = where if len(waits) == len(running) else None
+        if not stuck:
+            return None
+        first = min(done.values(), key=lambda d: d["time"])
+        left = ", ".join(f"rank {r} {d['how']} at {_clock(d['time'])}"
+                         for r, d in sorted(done.items()))
+        lines = [f"dtlaunch: {left} while {_ranks(running)} still ran; {self.grace:g} s later "
+                 f"({GRACE_VAR}) {'it waits' if len(running) == 1 else 'they wait'} in an MPI "
+                 "call that the finished ranks will never join. Python stacks:\n"]
+        lines += [f"--- rank {r} ---\n{stack}" for r, (_, stack) in sorted(waits.items())]
+        lines.append("dtlaunch: a rank that leaves early makes its peers wait forever in their "
+                     "next collective: make every rank run the same collectives (to stop the job "
+                     "on an error, raise: that ends every rank)\n")
+        how = (first["how"] if len(done) == 1 else f"first: rank {first['rank']}, {first['how']}")
+        lines.append(f"dtlaunch: job failed: {_ranks(sorted(done))} finished ({how}) while "
+                     f"{_ranks(running)} waited in a collective; exit status 1\n")
+        return "".join(lines)
 
 
 def failure_summary(failures: Sequence[dict[str, Any]], status: int) -> str:
@@ -92,11 +205,29 @@ def failure_summary(failures: Sequence[dict[str, Any]], status: int) -> str:
     return "".join(lines)
 
 
-def _run(job: MpiJob, timeout: float | None) -> int:
+def _wait(job: MpiJob, timeout: float | None, watch: _Watch) -> tuple[int, str | None]:
+    """mpiexec's status, or (1, the watch's report) for a job that can no longer finish."""
     proc = job.proc
     assert proc is not None, "start the job first"
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        step = 1.0 if end is None else min(1.0, end - time.monotonic())
+        if step <= 0:
+            raise subprocess.TimeoutExpired(proc.args, timeout or 0)
+        try:
+            return proc.wait(timeout=step), None
+        except subprocess.TimeoutExpired:
+            report = watch.check()
+            if report is not None:
+                return 1, report
+
+
+def _run(job: MpiJob, timeout: float | None, grace: float) -> int:
+    proc = job.proc
+    assert proc is not None, "start the job first"
+    watch = _Watch(job, grace)
     try:
-        status = proc.wait(timeout=timeout)
+        status, report = _wait(job, timeout, watch)
     except subprocess.TimeoutExpired:
         stacks = job.dump_stacks()
         job.kill()
@@ -116,10 +247,17 @@ def _run(job: MpiJob, timeout: float | None) -> int:
         job.kill()
         sys.stderr.write("dtlaunch: interrupted; job ended\n")
         return 130
+    if report is not None:
+        job.kill()
+        sys.stderr.write(report)
+        return status
     failures = job.failures()
+    lost = watch.lost_child_report(status) if status > 0 else None
     if failures:
         status = status or 1
         sys.stderr.write(failure_summary(failures, status))
+    elif lost is not None:  # mpiexec may notice the ranks it lost once they exit, or not
+        sys.stderr.write(lost)
     elif status < 0:
         sys.stderr.write(f"dtlaunch: mpiexec was killed by signal {-status}\n")
         status = 128 - status
@@ -146,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
     try:
         _check(opts)
+        grace = _exit_grace()
         mpiexec = find_mpiexec(opts.mpiexec)
     except (ValueError, FileNotFoundError) as exc:
         print(f"dtlaunch: error: {exc}", file=sys.stderr)
@@ -165,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  prefix=not opts.no_prefix)
     try:
         job.start(stdin=stdin)
-        return _run(job, opts.timeout)
+        return _run(job, opts.timeout, grace)
     finally:
         job.close()
         if in_main_thread:

@@ -90,11 +90,37 @@ def _proc_ppids() -> dict[int, int]:
 
 _FRAME = re.compile(r'\s*File "(.+)", line (\d+) in ')
 
+# Blocking mpi4py calls: a rank whose main thread sits in one of these waits for its peers.
+# Lower-case names that are common outside MPI (wait, reduce, gather, scan: events, processes,
+# ufuncs, asyncio) are left out, so a rank blocked in one of those is never taken for stuck.
+_MPI_WAIT = re.compile(
+    r"\.(Barrier|Bcast|Gatherv?|Scatterv?|Allgatherv?|Alltoall[vw]?|Reduce|Allreduce"
+    r"|Reduce_scatter(_block)?|Scan|Exscan|Send|Ssend|Bsend|Rsend|Recv|Sendrecv(_replace)?"
+    r"|M?[Pp]robe|Wait(all|any|some)?|barrier|bcast|allreduce|allgather|alltoall|scatter"
+    r"|send|ssend|recv|sendrecv)\s*\(")
+
+
+def _main_thread_call(stack: str) -> tuple[str, int, str] | None:
+    """(file, line, source) of the innermost frame of the main thread in a faulthandler dump.
+
+    The main thread is the one whose outermost frame is bootstrap.py's module code; the dump
+    lists each thread's frames innermost first.
+    """
+    for block in re.split(r"\n(?=\S)", stack):
+        frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
+        if frames and frames[-1][1] == BOOTSTRAP and block.rstrip().endswith("in <module>"):
+            file, line = frames[0][1], int(frames[0][2])
+            return file, line, linecache.getline(file, line).strip()
+    return None
+
 
 def _user_frames(stack: str) -> str:
-    """faulthandler's dump without the launcher's own frames (runpy, bootstrap.py), each frame
-    followed by its source line as in a traceback (faulthandler cannot read files)."""
-    lines = stack.splitlines(keepends=True)
+    """faulthandler's dump without the launcher's own frames (runpy, bootstrap.py) and threads
+    (its watch thread), each frame followed by its source line as in a traceback (faulthandler
+    cannot read files)."""
+    blocks = [b for b in re.split(r"(?<=\n)(?=\S)", stack)
+              if f'File "{BOOTSTRAP}"' not in b or "in <module>" in b]
+    lines = "".join(blocks).splitlines(keepends=True)
     kept = [line for line in lines
             if not line.lstrip().startswith(('File "<frozen runpy>"', f'File "{BOOTSTRAP}"'))]
     if not any(_FRAME.match(line) for line in kept):  # an idle worker: its loop is the story
@@ -177,8 +203,33 @@ class MpiJob:
         A rank that has not started (or runs on another host) gets a line saying so.
         """
         pids = self.rank_pids()
+        stacks = {r: _user_frames(s) for r, s in self._raw_stacks(pids, wait).items()}
+        for rank in range(self.nproc):
+            if rank not in stacks:
+                why = "did not answer SIGUSR1" if rank in pids else "has not started on this host"
+                stacks[rank] = f"(no stack: rank {rank} {why})\n"
+        return stacks
+
+    def mpi_waits(self, ranks: Sequence[int], wait: float = 3.0) -> dict[int, tuple[str, str]]:
+        """The ranks among ``ranks`` whose main thread is inside a blocking MPI call.
+
+        Returns:
+            ``{rank: (where, stack)}``: ``where`` is ``"file:line: source"`` of the call, and
+            ``stack`` the rank's Python stack as :meth:`dump_stacks` gives it. Ranks elsewhere,
+            not started, or silent are left out.
+        """
+        pids = {r: p for r, p in self.rank_pids().items() if r in ranks}
+        found = {}
+        for rank, stack in self._raw_stacks(pids, wait).items():
+            call = _main_thread_call(stack)
+            if call is not None and _MPI_WAIT.search(call[2]):
+                found[rank] = (f"{call[0]}:{call[1]}: {call[2]}", _user_frames(stack))
+        return found
+
+    def _raw_stacks(self, pids: Mapping[int, int], wait: float) -> dict[int, str]:
+        """faulthandler's dump of each rank in ``pids`` that answers SIGUSR1 within ``wait`` s."""
         start = {r: self.file_size(f"rank{r}.stack") for r in pids}
-        for rank, pid in pids.items():
+        for pid in pids.values():
             try:
                 os.kill(pid, signal.SIGUSR1)
             except OSError:  # already gone
@@ -192,13 +243,34 @@ class MpiJob:
                 size = self.file_size(f"rank{rank}.stack")
                 # faulthandler writes in many small pieces: done when it stops growing
                 if rank not in stacks and size > start[rank] and sizes.get(rank) == size:
-                    stacks[rank] = _user_frames(self.read(f"rank{rank}.stack", start[rank]))
+                    stacks[rank] = self.read(f"rank{rank}.stack", start[rank])
                 sizes[rank] = size
-        for rank in range(self.nproc):
-            if rank not in stacks:
-                why = "did not answer SIGUSR1" if rank in pids else "has not started on this host"
-                stacks[rank] = f"(no stack: rank {rank} {why})\n"
         return stacks
+
+    def records(self, kind: str) -> dict[int, dict[str, Any]]:
+        """The ranks' JSON reports of one kind, by rank: ``"err"`` (raised), ``"done"`` (the
+        script ended without an error) or ``"orphan"`` (the rank's parent died), see
+        bootstrap.py."""
+        found = {}
+        for rank in range(self.nproc):
+            try:
+                found[rank] = json.loads(Path(self.path(f"rank{rank}.{kind}")).read_text())
+            except (OSError, ValueError):
+                continue
+        return found
+
+    def children(self) -> dict[int, str]:
+        """mpiexec's child processes (hydra's proxy, or ssh to each remote host): pid -> name."""
+        if self.proc is None or self.proc.poll() is not None:
+            return {}
+        found = {}
+        for pid, ppid in _proc_ppids().items():
+            if ppid == self.proc.pid:
+                try:
+                    found[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+                except OSError:
+                    continue
+        return found
 
     def read(self, name: str, start: int = 0) -> str:
         """A launch-directory file's text from byte ``start`` ("" if it does not exist yet)."""
@@ -218,13 +290,7 @@ class MpiJob:
 
     def failures(self) -> list[dict[str, Any]]:
         """Reports of ranks that raised (rank, time, type, traceback), earliest first."""
-        reports = []
-        for rank in range(self.nproc):
-            try:
-                reports.append(json.loads(Path(self.path(f"rank{rank}.err")).read_text()))
-            except (OSError, ValueError):
-                continue
-        return sorted(reports, key=lambda r: (r["time"], r["rank"]))
+        return sorted(self.records("err").values(), key=lambda r: (r["time"], r["rank"]))
 
     def _job_pids(self) -> list[int]:
         ppids = _proc_ppids()
@@ -277,3 +343,12 @@ class MpiJob:
         if (self.proc is not None and self.proc.poll() is None) or self._job_pids():
             self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

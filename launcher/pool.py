@@ -26,12 +26,11 @@ import types
 from collections import ChainMap
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Client, Connection, Listener, wait
-from pathlib import Path
 from typing import Any, ClassVar
 
 import cloudpickle
 from dtensor.launcher.bootstrap import ENV_AUTHKEY, ENV_CAPTURE
-from dtensor.launcher.job import MpiJob, find_mpiexec
+from dtensor.launcher.job import MpiJob, find_mpiexec, pid_alive
 
 
 def _code_reduce(code: types.CodeType) -> tuple[Any, tuple[Any, ...]]:
@@ -285,7 +284,7 @@ class RankPool:
             if died:
                 # Look now: the rank that died first is gone, the ones hydra is about to kill
                 # for it most likely are not yet.
-                died = {r for r in died if not _pid_alive(self.pids.get(r, -1))} or died
+                died = {r for r in died if not pid_alive(self.pids.get(r, -1))} or died
             if failures and grace_end is None:
                 grace_end = time.monotonic() + self.grace
         outputs = {r: job.read(f"rank{r}.out", start) for r, start in marks.items()}
@@ -365,14 +364,6 @@ class RankPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float | None = None,

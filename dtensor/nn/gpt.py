@@ -11,6 +11,7 @@ from dtensor.autograd import no_grad
 from dtensor.nn import functional as F
 from dtensor.nn.layers import GELU, Dropout, Embedding, LayerNorm, Linear
 from dtensor.nn.module import Module, ModuleList
+from dtensor.validate import as_int, as_real
 
 __all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
 
@@ -29,6 +30,18 @@ class GPTConfig:
     ln_eps: float = 1e-5
 
     def __post_init__(self):
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            setattr(self, name, as_int(getattr(self, name), f"GPTConfig: {name}", low=1))
+        if self.mlp_hidden is not None:
+            self.mlp_hidden = as_int(self.mlp_hidden, "GPTConfig: mlp_hidden", low=1,
+                                     fix="Or None for 4 * n_embd.")
+        self.dropout = as_real(self.dropout, "GPTConfig: dropout", low=0, high=1)
+        self.ln_eps = as_real(self.ln_eps, "GPTConfig: ln_eps", low=0)
+        if not isinstance(self.bias, (bool, np.bool_)):
+            raise TypeError(f"GPTConfig: bias must be True or False, got {self.bias!r}.")
+        if self.gelu not in ("none", "tanh"):
+            raise ValueError(f"GPTConfig: gelu must be 'none' (exact erf) or 'tanh', got "
+                             f"{self.gelu!r}.")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by "
                              f"n_head={self.n_head}.")
@@ -117,6 +130,9 @@ class GPT(Module):
 
     def forward(self, idx, targets=None):
         idx = as_tensor(idx)
+        if idx.ndim != 2:
+            raise ValueError(f"GPT: idx must be token ids of shape (batch, sequence), got shape "
+                             f"{tuple(idx.shape)}; a single sequence is idx[None].")
         B, T_ = idx.shape
         if T_ > self.config.block_size:
             raise ValueError(f"GPT: sequence length {T_} exceeds block_size "
@@ -134,7 +150,12 @@ class GPT(Module):
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None) -> np.ndarray:
-        """Sample continuations of ``idx`` (B, T); draws come from the counter-based RNG."""
+        """Sample continuations of ``idx`` (B, T); draws come from the counter-based RNG.
+        ``temperature`` 0 picks the most likely token."""
+        max_new_tokens = as_int(max_new_tokens, "generate: max_new_tokens", low=0)
+        temperature = as_real(temperature, "generate: temperature", low=0)
+        if top_k is not None:
+            top_k = as_int(top_k, "generate: top_k", low=1, fix="Or None for no cut.")
         idx = np.asarray(as_tensor(idx).numpy())
         with no_grad():
             for _ in range(max_new_tokens):

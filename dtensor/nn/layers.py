@@ -8,6 +8,7 @@ import numpy as np
 from dtensor.tensor import rand, randn, resolve_dtype
 from dtensor.nn import functional as F
 from dtensor.nn.module import Module, Parameter
+from dtensor.validate import as_int, as_real, as_shape
 
 __all__ = ["Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "GELU", "ReLU"]
 
@@ -22,6 +23,8 @@ class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None):
         super().__init__()
         dtype = resolve_dtype(dtype or np.float32)
+        in_features = as_int(in_features, "Linear: in_features", low=0)
+        out_features = as_int(out_features, "Linear: out_features", low=0)
         self.in_features, self.out_features = in_features, out_features
         bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
         self.weight = Parameter(_uniform((out_features, in_features), bound, dtype))
@@ -39,6 +42,8 @@ class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype=None):
         super().__init__()
         dtype = resolve_dtype(dtype or np.float32)
+        num_embeddings = as_int(num_embeddings, "Embedding: num_embeddings", low=0)
+        embedding_dim = as_int(embedding_dim, "Embedding: embedding_dim", low=0)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = Parameter(randn(num_embeddings, embedding_dim, dtype=dtype))
 
@@ -55,9 +60,13 @@ class _Norm(Module):
     def __init__(self, normalized_shape, eps, elementwise_affine: bool, bias: bool, dtype):
         super().__init__()
         dtype = resolve_dtype(dtype or np.float32)
-        self.normalized_shape = ((normalized_shape,) if isinstance(normalized_shape, int)
-                                 else tuple(normalized_shape))
-        self.eps = eps
+        name = type(self).__name__
+        if isinstance(normalized_shape, (tuple, list)):
+            self.normalized_shape = as_shape(normalized_shape, f"{name}: normalized_shape")
+        else:
+            self.normalized_shape = (as_int(normalized_shape, f"{name}: normalized_shape",
+                                            low=0),)
+        self.eps = eps if eps is None else as_real(eps, f"{name}: eps", low=0)
         affine = elementwise_affine
         self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if affine else None
         self.bias = Parameter(np.zeros(self.normalized_shape, dtype)) if affine and bias else None
@@ -87,9 +96,7 @@ class RMSNorm(_Norm):
 class Dropout(Module):
     def __init__(self, p: float = 0.5):
         super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"Dropout probability must be in [0, 1], got {p}.")
-        self.p = p
+        self.p = as_real(p, "Dropout probability", low=0, high=1)
 
     def forward(self, x):
         return F.dropout(x, self.p, self.training)

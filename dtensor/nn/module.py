@@ -8,6 +8,7 @@ import numpy as np
 
 from dtensor.ops import registry
 from dtensor.tensor import Tensor, TensorMethods
+from dtensor.validate import as_int
 
 __all__ = ["Parameter", "Module", "ModuleList", "Sequential"]
 
@@ -108,16 +109,29 @@ class Module:
                 return
         object.__delattr__(self, name)
 
+    def _check_entry(self, what: str, name, value, kinds: tuple, expected: str) -> None:
+        if not isinstance(name, str) or not name or "." in name:
+            raise TypeError(f"{type(self).__name__}.{what}: the name must be a non-empty string "
+                            f"without dots, got {name!r}.")
+        if value is not None and not isinstance(value, kinds) \
+                and not getattr(value, "_is_param", False):
+            raise TypeError(f"{type(self).__name__}.{what}({name!r}, ...) takes {expected} or "
+                            f"None, got {value!r} (a {type(value).__name__}).")
+
     def register_parameter(self, name: str, param: Parameter | None) -> None:
+        self._check_entry("register_parameter", name, param, (Parameter,),
+                          "a Parameter (dtensor.nn.Parameter(tensor))")
         if param is None:
             self._parameters[name] = None
         else:
             setattr(self, name, param)
 
     def register_buffer(self, name: str, tensor: Tensor | None) -> None:
+        self._check_entry("register_buffer", name, tensor, (TensorMethods,), "a tensor")
         self._buffers[name] = tensor
 
     def add_module(self, name: str, module: "Module | None") -> None:
+        self._check_entry("add_module", name, module, (Module,), "a Module")
         self._modules[name] = module
 
     # -- traversal
@@ -201,6 +215,10 @@ class Module:
         Raises KeyError on missing or unexpected keys when strict, ValueError on a shape
         mismatch, listing every offending key.
         """
+        if not hasattr(state_dict, "keys") or not hasattr(state_dict, "__getitem__"):
+            raise TypeError(f"load_state_dict for {type(self).__name__} takes a mapping of "
+                            f"names to arrays (as model.state_dict() gives), got "
+                            f"{type(state_dict).__name__}.")
         own = self.state_dict()
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -212,8 +230,7 @@ class Module:
         bad = []
         for k, t in own.items():
             if k in state_dict:
-                src = state_dict[k]
-                shape = tuple(src.shape)
+                shape = tuple(np.shape(state_dict[k]))
                 if shape != tuple(t.shape):
                     bad.append(f"{k}: checkpoint {shape} vs model {tuple(t.shape)}")
         if bad:
@@ -270,10 +287,18 @@ class ModuleList(Module):
             self.append(m)
 
     def append(self, m: Module) -> "ModuleList":
+        if not isinstance(m, Module):
+            raise TypeError(f"{type(self).__name__} holds Modules; entry {len(self._modules)} "
+                            f"is {m!r} (a {type(m).__name__}).")
         self._modules[str(len(self._modules))] = m
         return self
 
     def __getitem__(self, i: int) -> Module:
+        n = len(self._modules)
+        i = as_int(i, f"{type(self).__name__} index")
+        if not -n <= i < n:
+            raise IndexError(f"{type(self).__name__} index {i} is out of range for {n} "
+                             f"modules (valid: {-n}..{n - 1}).")
         return list(self._modules.values())[i]
 
     def __len__(self) -> int:

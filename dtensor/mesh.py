@@ -38,7 +38,7 @@ def _check_names(names, ndim: int) -> tuple[str, ...] | None:
     names = tuple(names)
     odd = [n for n in names if not isinstance(n, str)]
     if odd:
-        raise TypeError(f"mesh_dim_names {names!r} must all be strings, got {odd[0]!r} (a "
+        raise TypeError(f"mesh_dim_names {names!r} must all be strings, got {odd[0]!r} (type "
                         f"{type(odd[0]).__name__}); e.g. {_NAMES_EXAMPLE}.")
     if len(names) != ndim:
         raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {ndim}-d mesh; "

@@ -22,6 +22,8 @@ from typing import Sequence
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
+from dtensor.validate import as_int
+
 __all__ = [
     "PHILOX_M0",
     "PHILOX_M1",
@@ -200,7 +202,7 @@ def manual_seed(seed: int) -> None:
     Every rank must call this with the same seed so they agree on keys.
     """
     global _seed, _stream
-    _seed = int(seed) & _MASK64
+    _seed = as_int(seed, "manual_seed: seed") & _MASK64
     _stream = 0
 
 
@@ -212,7 +214,12 @@ def get_rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     """Restore a state from :func:`get_rng_state`: the next keys are the ones that followed it."""
     global _seed, _stream
-    _seed, _stream = int(state["seed"]) & _MASK64, int(state["stream"])
+    if not isinstance(state, dict) or set(state) != {"seed", "stream"}:
+        raise TypeError(f"set_rng_state takes the dict get_rng_state() returns, with keys "
+                        f"'seed' and 'stream', got {state!r}.")
+    seed = as_int(state["seed"], "set_rng_state: state['seed']")
+    stream = as_int(state["stream"], "set_rng_state: state['stream']", low=0)
+    _seed, _stream = seed & _MASK64, stream
 
 
 def initial_seed() -> int:

@@ -116,7 +116,7 @@ class Module:
         if value is not None and not isinstance(value, kinds) \
                 and not getattr(value, "_is_param", False):
             raise TypeError(f"{type(self).__name__}.{what}({name!r}, ...) takes {expected} or "
-                            f"None, got {value!r} (a {type(value).__name__}).")
+                            f"None, got {value!r} (type {type(value).__name__}).")
 
     def register_parameter(self, name: str, param: Parameter | None) -> None:
         self._check_entry("register_parameter", name, param, (Parameter,),
@@ -289,7 +289,7 @@ class ModuleList(Module):
     def append(self, m: Module) -> "ModuleList":
         if not isinstance(m, Module):
             raise TypeError(f"{type(self).__name__} holds Modules; entry {len(self._modules)} "
-                            f"is {m!r} (a {type(m).__name__}).")
+                            f"is {m!r} (type {type(m).__name__}).")
         self._modules[str(len(self._modules))] = m
         return self
 

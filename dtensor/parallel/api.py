@@ -42,6 +42,33 @@ def _tp_dim(mesh: DeviceMesh, tp_dim) -> int:
     return mesh._dim("tp")
 
 
+def _check_targets(what: str, module, mesh) -> None:
+    if not isinstance(module, Module):
+        raise TypeError(f"{what}: the model must be a dtensor.nn.Module, got {module!r} (type "
+                        f"{type(module).__name__}).")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what}: the mesh must be a DeviceMesh (init_device_mesh('cpu', "
+                        f"shape, mesh_dim_names=...)), got {mesh!r} (type {type(mesh).__name__}).")
+
+
+def _agree(mesh: DeviceMesh, what: str, check, **fields):
+    """``check()`` (this rank's validation; returns what it checked), agreed over the mesh: a
+    rank whose arguments or model differ, or whose check failed, makes every rank raise the
+    same error, before any collective that would otherwise hang or mix layouts."""
+    error = result = None
+    try:
+        result = check()
+    except (TypeError, ValueError, KeyError, IndexError) as e:
+        error = e
+    mesh.check_same(what, "Build the same model and call this with the same arguments on "
+                    "every rank.", error=error, **fields)
+    return result
+
+
+def _params_text(module: Module) -> list:
+    return [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+
+
 def _matches(pattern: str, path: str) -> bool:
     """fnmatch per dotted atom, as PyTorch: ``blocks.*.attn.q`` has ``*`` stand for one atom."""
     pa, na = pattern.split("."), path.split(".")
@@ -62,16 +89,30 @@ def parallelize_module(module: Module, device_mesh: DeviceMesh, parallelize_plan
         >>> mesh = init_device_mesh("cpu", (2,))
         >>> parallelize_module(mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     """
-    tp = _tp_dim(device_mesh, tp_dim)
-    if parallelize_plan is None:
-        return module
-    if isinstance(parallelize_plan, ParallelStyle):
-        return parallelize_plan.apply(module, device_mesh, tp, "")
-    if not isinstance(parallelize_plan, dict):
+    _check_targets("parallelize_module", module, device_mesh)
+    tp, hits = _agree(device_mesh, "parallelize_module",
+                      lambda: (_tp_dim(device_mesh, tp_dim), _plan_hits(module, parallelize_plan)),
+                      plan=parallelize_plan, tp_dim=tp_dim, params=_params_text(module))
+    for style, name, m in hits:
+        style.apply(m, device_mesh, tp, name)
+    return module
+
+
+def _plan_hits(module: Module, plan) -> list:
+    """(style, path, submodule) for every submodule a plan applies to, in plan order."""
+    if plan is None:
+        return []
+    if isinstance(plan, ParallelStyle):
+        return [(plan, "", module)]
+    if not isinstance(plan, dict):
         raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of module path -> "
-                        f"ParallelStyle, got {type(parallelize_plan).__name__}.")
+                        f"ParallelStyle, got {type(plan).__name__}:\n{_PLAN_EXAMPLE}")
     named = list(module.named_modules())
-    for key, style in parallelize_plan.items():
+    out = []
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise TypeError(f"plan key {key!r} must be a dotted module path such as "
+                            f"'blocks.*.attn.q', got type {type(key).__name__}.")
         if not isinstance(style, ParallelStyle):
             raise TypeError(f"plan key {key!r}: {style!r} is not a ParallelStyle (use "
                             f"ColwiseParallel(), RowwiseParallel(), SequenceParallel(), ...).")
@@ -81,9 +122,8 @@ def parallelize_module(module: Module, device_mesh: DeviceMesh, parallelize_plan
             raise ValueError(f"plan key {key!r} matches no submodule of {type(module).__name__}; "
                              f"its module paths include {paths}. Keys are dotted paths with "
                              f"fnmatch wildcards per atom, e.g. 'blocks.*.attn.q'.")
-        for name, m in hits:
-            style.apply(m, device_mesh, tp, name)
-    return module
+        out += [(style, name, m) for name, m in hits]
+    return out
 
 
 # ----------------------------------------------------------------------------- parallelize
@@ -187,10 +227,40 @@ def _shard_params_fsdp(model: Module, mesh: DeviceMesh, dp: int, tp: int | None)
         wrap_forward(m, around)
 
 
+def _plain(x) -> bool:
+    """A plain array input: the global batch, the same on every rank (not a DTensor)."""
+    return not isinstance(x, DTensor) and isinstance(x, (TensorMethods, np.ndarray))
+
+
+def _check_batch(inputs: dict, mesh: DeviceMesh, dp: int | None, tp: int | None,
+                 sequence_parallel: bool) -> None:
+    """The user's batch, checked before the plan lays it out: each "dp" rank takes
+    batch / dp whole rows (the (B, T, C) -> (B * T, C) reshapes keep dim 0 sharded only for
+    equal blocks), and under sequence parallelism each "tp" rank needs some positions.
+    Otherwise the error would come from a reshape deep inside the model."""
+    for name, x in inputs.items():
+        shape = tuple(x.shape)
+        if dp is not None and shape and shape[0] % mesh.size(dp):
+            n = mesh.size(dp)
+            raise ValueError(
+                f"parallelize: {name} of shape {shape} has batch size {shape[0]}, which mesh "
+                f"dim 'dp' of size {n} cannot split evenly (each dp rank takes batch / {n} "
+                f"rows). Use a batch size that is a multiple of {n}, e.g. "
+                f"{max(n, shape[0] - shape[0] % n)}.")
+        if sequence_parallel and tp is not None and len(shape) >= 2:
+            n, t = mesh.size(tp), shape[1]
+            if (n - 1) * -(-t // n) >= t:
+                raise ValueError(
+                    f"parallelize(sequence_parallel=True): {name} has shape {shape}: its "
+                    f"sequence length {t} leaves some of the {n} ranks of mesh dim 'tp' without "
+                    f"positions (Shard(1) gives each ceil({t} / {n}) of them). Use a sequence "
+                    f"length that is a multiple of {n}, or sequence_parallel=False.")
+
+
 def _batch_input(x, mesh: DeviceMesh, dp: int | None):
     """A plain array input is the global batch (the same on every rank): each "dp" rank keeps
     its rows. DTensors (say, from_local of per-rank batches) pass through."""
-    if isinstance(x, DTensor) or not (isinstance(x, (TensorMethods, np.ndarray))):
+    if not _plain(x):
         return x
     placements = [Replicate()] * mesh.ndim
     if dp is not None and len(x.shape):
@@ -229,24 +299,35 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
         >>> model = parallelize(GPT(cfg), mesh, sequence_parallel=True)
         >>> logits, loss = model(idx, targets)   # idx, targets: the global batch
     """
-    if mesh.ndim > 2:
-        _tp_dim(mesh, None)  # raises with the fix
-    names = mesh.mesh_dim_names or ()
-    if mesh.ndim == 2 and not {"dp", "tp"} <= set(names):
-        raise ValueError(f"parallelize on a 2-D mesh needs dims named 'dp' and 'tp', got "
-                         f"{mesh._dims_text()}; use init_device_mesh('cpu', (dp, tp), "
-                         f"mesh_dim_names=('dp', 'tp')).")
-    dp = mesh._dim("dp") if "dp" in names else None
-    tp = None if (mesh.ndim == 1 and dp == 0) else _tp_dim(mesh, None)
-    if fsdp and dp is None:
-        raise ValueError(f"fsdp=True shards parameters over a 'dp' mesh dim, and mesh "
-                         f"{mesh._dims_text()} has none; name one 'dp'.")
-    plan = {}
-    if tp is not None:
-        parts = _gpt_parts(model)
-        _check_divisible(parts, mesh.size(tp))
-        plan = gpt_plan(sequence_parallel, loss_parallel)
-        parallelize_module(model, mesh, plan, tp_dim=tp)
+    _check_targets("parallelize", model, mesh)
+    flags = dict(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, fsdp=fsdp)
+
+    def check():
+        for k, v in flags.items():
+            if not isinstance(v, bool):
+                raise TypeError(f"parallelize: {k} must be True or False, got {v!r}.")
+        if mesh.ndim > 2:
+            _tp_dim(mesh, None)  # raises with the fix
+        names = mesh.mesh_dim_names or ()
+        if mesh.ndim == 2 and not {"dp", "tp"} <= set(names):
+            raise ValueError(f"parallelize on a 2-D mesh needs dims named 'dp' and 'tp', got "
+                             f"{mesh._dims_text()}; use init_device_mesh('cpu', (dp, tp), "
+                             f"mesh_dim_names=('dp', 'tp')).")
+        dp = mesh._dim("dp") if "dp" in names else None
+        tp = None if (mesh.ndim == 1 and dp == 0) else _tp_dim(mesh, None)
+        if fsdp and dp is None:
+            raise ValueError(f"fsdp=True shards parameters over a 'dp' mesh dim, and mesh "
+                             f"{mesh._dims_text()} has none; name one 'dp'.")
+        plan, hits = {}, []
+        if tp is not None:
+            _check_divisible(_gpt_parts(model), mesh.size(tp))
+            plan = gpt_plan(sequence_parallel, loss_parallel)
+            hits = _plan_hits(model, plan)
+        return dp, tp, plan, hits
+
+    dp, tp, plan, hits = _agree(mesh, "parallelize", check, params=_params_text(model), **flags)
+    for style, name, m in hits:
+        style.apply(m, mesh, tp, name)
     for _, m in model.named_modules():  # what the plan left: Replicate everywhere
         for n, p in list(m._parameters.items()):
             if p is not None and not isinstance(p, DTensor):
@@ -255,6 +336,11 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
         _shard_params_fsdp(model, mesh, dp, tp)
 
     def around(inner, *args, **kwargs):
+        inputs = {f"argument {i}": a for i, a in enumerate(args) if _plain(a)}
+        inputs.update((f"argument {k!r}", v) for k, v in kwargs.items() if _plain(v))
+        _agree(mesh, "parallelize: the model's forward",
+               lambda: _check_batch(inputs, mesh, dp, tp, sequence_parallel),
+               batch=[(k, tuple(v.shape), str(v.dtype)) for k, v in inputs.items()])
         args = tuple(_batch_input(a, mesh, dp) for a in args)
         kwargs = {k: _batch_input(v, mesh, dp) for k, v in kwargs.items()}
         with ExitStack() as stack:

@@ -30,12 +30,28 @@ from dtensor.nn.layers import Embedding, Linear
 from dtensor.nn.module import Module, Parameter
 from dtensor.placements import Placement, Replicate, Shard
 from dtensor.tensor import TensorMethods
+from dtensor.validate import as_int
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput"]
 
 
 # ----------------------------------------------------------------------------- layout helpers
+
+def _check_layout(style: str, name: str, p, optional: bool = True):
+    """A style's layout argument: one Placement (the one on the tensor-parallel mesh dim)."""
+    if isinstance(p, Placement) or (optional and p is None):
+        return p
+    raise TypeError(f"{style}: {name} takes one placement (Shard(d) or Replicate()"
+                    f"{', or None' if optional else ''}), got {p!r}. It names the layout on "
+                    f"the tensor-parallel mesh dim only.")
+
+
+def _check_flag(style: str, name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{style}: {name} must be True or False, got {value!r}.")
+    return value
+
 
 def _with(placements, tp: int, p: Placement, ndim: int) -> tuple[Placement, ...]:
     """``placements`` with mesh dim ``tp`` set to ``p`` (negative Shard dims resolved)."""
@@ -123,8 +139,10 @@ class _LinearStyle(ParallelStyle):
 
     def __init__(self, *, input_layouts: Placement | None = None,
                  output_layouts: Placement | None = None, use_local_output: bool = True):
-        self.input_layouts, self.output_layouts = input_layouts, output_layouts
-        self.use_local_output = use_local_output
+        style = type(self).__name__
+        self.input_layouts = _check_layout(style, "input_layouts", input_layouts)
+        self.output_layouts = _check_layout(style, "output_layouts", output_layouts)
+        self.use_local_output = _check_flag(style, "use_local_output", use_local_output)
 
     def apply(self, module, mesh, tp, path):
         if isinstance(module, Linear):
@@ -179,7 +197,9 @@ class SequenceParallel(ParallelStyle):
     when stored (the leaf keeps its Replicate layout)."""
 
     def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
-        self.sequence_dim, self.use_local_output = sequence_dim, use_local_output
+        self.sequence_dim = as_int(sequence_dim, "SequenceParallel: sequence_dim")
+        self.use_local_output = _check_flag("SequenceParallel", "use_local_output",
+                                            use_local_output)
 
     def apply(self, module, mesh, tp, path):
         for name in list(module._parameters):
@@ -208,6 +228,9 @@ def _layout_pairs(style: str, names: tuple[str, str], src, dst, hint: str):
     src, dst = _per_arg(src), _per_arg(dst)
     if len(src) != len(dst):
         raise ValueError(f"{style}: {names[0]} {src} and {names[1]} {dst} must have {hint}.")
+    for name, layouts in zip(names, (src, dst)):
+        for p in layouts:
+            _check_layout(style, f"each entry of {name} {layouts}", p)
     return src, dst
 
 
@@ -231,9 +254,17 @@ class PrepareModuleInput(ParallelStyle):
         self.input_layouts, self.desired_input_layouts = _layout_pairs(
             "PrepareModuleInput", ("input_layouts", "desired_input_layouts"), input_layouts,
             desired_input_layouts, "one entry per positional input (None to leave one alone)")
+        for name, table in (("input_kwarg_layouts", input_kwarg_layouts),
+                            ("desired_input_kwarg_layouts", desired_input_kwarg_layouts)):
+            if table is not None and not isinstance(table, dict):
+                raise TypeError(f"PrepareModuleInput: {name} must be a dict of keyword -> "
+                                f"placement, got {table!r}.")
+            for k, p in (table or {}).items():
+                _check_layout("PrepareModuleInput", f"{name}[{k!r}]", p)
         self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
         self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
-        self.use_local_output = use_local_output
+        self.use_local_output = _check_flag("PrepareModuleInput", "use_local_output",
+                                            use_local_output)
 
     def _convert(self, x, mesh, tp, src, dst):
         return _local_out(to_layout(x, mesh, tp, src, dst, boundary=True), self.use_local_output)
@@ -265,7 +296,8 @@ class PrepareModuleOutput(ParallelStyle):
         self.output_layouts, self.desired_output_layouts = _layout_pairs(
             "PrepareModuleOutput", ("output_layouts", "desired_output_layouts"), output_layouts,
             desired_output_layouts, "the same length")
-        self.use_local_output = use_local_output
+        self.use_local_output = _check_flag("PrepareModuleOutput", "use_local_output",
+                                            use_local_output)
 
     def apply(self, module, mesh, tp, path):
         pairs = list(zip(self.output_layouts, self.desired_output_layouts))

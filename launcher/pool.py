@@ -308,6 +308,9 @@ class RankPool:
             tail = self._log_tail()
             msg = (f"{_ranks(died)} of {n} died without replying (crash, os._exit or a signal); "
                    "the pool was shut down and is replaced on next use")
+            parents = {(o["name"], o["pid"]) for o in self._job.records("orphan").values()}
+            msg += "".join(f"\ntheir MPI process manager {name} (pid {pid}) had died (killed?)"
+                           for name, pid in sorted(parents))
             msg += f"\nmpiexec said:\n{tail}" if tail.strip() else ""
             return RankDiedError(msg, rank=min(died), traceback=tracebacks.get(min(died), ""),
                                  failures=tracebacks, outputs=self.last_output)

@@ -7,15 +7,19 @@ would make the test itself hang instead of fail.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
-from dtensor.launcher import RankError, RankPool, RankTimeoutError, apply_rank_env, spawn
+from dtensor.launcher import (RankDiedError, RankError, RankPool, RankTimeoutError,
+                              apply_rank_env, spawn)
 from dtensor.launcher.bootstrap import available_cores
+from dtensor.launcher.job import _MPI_WAIT, pid_alive
 
 pytestmark = pytest.mark.timeout(120)
 DTLAUNCH = Path(sys.executable).parent / "dtlaunch"
@@ -178,6 +182,184 @@ def test_killing_dtlaunch_hard_ends_its_job(tmp_path: Path) -> None:
     assert_no_orphans(script, within=8)
 
 
+# A rank that finishes its script while its peers wait for it in a collective.
+LEFT_EARLY = [
+    pytest.param(2, """
+        import sys
+        import numpy as np
+        from dtensor.comm import get_world
+
+        world = get_world()
+        if world.rank == 1:
+            sys.exit(0)
+        world.all_reduce(np.ones(3))
+    """, "rank 1 called sys.exit(0)", "rank 1 finished (called sys.exit(0)) while rank 0 waited",
+        "world.all_reduce(np.ones(3))", id="sys.exit(0)-during-all_reduce"),
+    pytest.param(2, """
+        from dtensor.comm import get_world
+
+        world = get_world()
+        if world.rank == 0:
+            world.barrier()
+    """, "rank 1 returned", "rank 1 finished (returned) while rank 0 waited",
+        "world.barrier()", id="return-during-barrier"),
+    pytest.param(3, """
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank != 2:
+            MPI.COMM_WORLD.recv(source=2)
+    """, "rank 2 returned", "rank 2 finished (returned) while ranks 0, 1 waited",
+        "MPI.COMM_WORLD.recv(source=2)", id="mpi4py-recv-from-a-rank-that-returned"),
+]
+
+
+@pytest.mark.parametrize("nproc, source, first_words, last_words, call", LEFT_EARLY)
+def test_a_rank_that_finishes_while_others_wait_in_mpi_ends_the_job(
+        tmp_path: Path, nproc: int, source: str, first_words: str, last_words: str,
+        call: str) -> None:
+    status, out, seconds, script = dtlaunch(tmp_path, source, "--nproc", str(nproc),
+                                            env={"DTENSOR_EXIT_GRACE": "1"})
+    assert status == 1 and seconds < 30, (status, seconds, out)
+    assert first_words in out and "still ran" in out, out
+    assert out.count(f"    {call}") == nproc - 1, out  # every waiting rank's stack, with source
+    assert last_words in out.splitlines()[-1], out
+    assert_no_orphans(script)
+
+
+@pytest.mark.parametrize("source", [
+    pytest.param("""
+        import time
+        import numpy as np
+        from dtensor.comm import get_world
+
+        world = get_world()
+        world.all_reduce(np.ones(3))
+        if world.rank == 0:
+            time.sleep(3)  # e.g. writing a checkpoint while the others have finished
+            print("rank 0 done")
+    """, id="sleep"),
+    pytest.param("""
+        import threading
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()
+        if MPI.COMM_WORLD.rank == 0:
+            threading.Event().wait(3)  # blocked, but not in MPI
+            print("rank 0 done")
+    """, id="event-wait"),
+])
+def test_a_rank_finishing_seconds_after_the_others_is_a_healthy_job(tmp_path: Path,
+                                                                     source: str) -> None:
+    status, out, _, _ = dtlaunch(tmp_path, source, "--nproc", "2",
+                                 env={"DTENSOR_EXIT_GRACE": "0.5"})
+    assert status == 0 and "[rank0] rank 0 done" in out, (status, out)
+
+
+@pytest.mark.parametrize("line, waits", [
+    ("self._c.Allreduce(send, out, op=mpi_op)", True),
+    ("MPI.COMM_WORLD.Barrier()", True),
+    ("data = comm.recv(source=1)", True),
+    ("MPI.Request.Waitall(reqs)", True),
+    ("self._req.Wait()", True),
+    ("comm.bcast(obj, root=0)", True),
+    ("proc.wait(timeout=3)", False),  # common lower-case names outside MPI are not waits
+    ("np.add.reduce(x, axis=0)", False),
+    ("message = conn.recv_bytes()", False),
+    ("results = asyncio.gather(*tasks)", False),
+    ("time.sleep(1)", False),
+])
+def test_which_source_lines_count_as_waiting_in_mpi(line: str, waits: bool) -> None:
+    assert bool(_MPI_WAIT.search(line)) == waits
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text()
+                                       .rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+BOTH_WAIT = """
+    import numpy as np
+    from dtensor.comm import get_world
+
+    world = get_world()
+    print("ready")
+    if world.rank == 0:
+        world.all_reduce(np.ones(3))
+    world.barrier()
+"""
+
+
+@pytest.mark.parametrize("stop_ranks, ranks_told", [
+    (False, True),  # the ranks see their parent die, exit and say so
+    (True, False),  # they cannot (stopped): dtlaunch sees mpiexec's child die
+])
+def test_killing_hydras_proxy_ends_the_job_naming_it(tmp_path: Path, stop_ranks: bool,
+                                                      ranks_told: bool) -> None:
+    script = tmp_path / "job_script.py"
+    script.write_text(textwrap.dedent(BOTH_WAIT))
+    log = tmp_path / "dtlaunch.log"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen([str(DTLAUNCH), "--nproc", "2", str(script)], stdout=out,
+                                    stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while log.read_text().count("] ready") < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (mpiexec,) = _children(launcher.pid)
+        (proxy,) = _children(mpiexec)
+        assert Path(f"/proc/{proxy}/comm").read_text().strip() == "hydra_pmi_proxy"
+        ranks = _children(proxy)
+        assert len(ranks) == 2, log.read_text()
+        time.sleep(0.5)  # both ranks inside their collective
+        for pid in ranks if stop_ranks else []:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(proxy, signal.SIGKILL)
+        killed = time.monotonic()
+        status = launcher.wait(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        _kill_survivors(script)
+    out = log.read_text()
+    assert status != 0 and time.monotonic() - killed < 15, (status, out)
+    last = out.splitlines()[-1]
+    assert f"hydra_pmi_proxy (pid {proxy}" in last and "died" in last, out
+    assert ("parent of ranks 0, 1" in last) == ranks_told, out
+    deadline = time.monotonic() + 3
+    while any(map(pid_alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(pid_alive, ranks)), (ranks, out)
+
+
+def test_pool_reports_its_ranks_dying_with_their_proxy() -> None:
+    def wait_forever() -> None:
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.recv(source=MPI.ANY_SOURCE)
+
+    with RankPool(2, capture=True) as pool:
+        ranks = pool.run(os.getpid)
+        proxy = int(Path(f"/proc/{ranks[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        killer = threading.Timer(1.0, os.kill, (proxy, signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(RankDiedError) as info:
+            pool.run(wait_forever, timeout=60)
+        killer.join()
+        assert time.monotonic() - start < 15
+        assert f"hydra_pmi_proxy (pid {proxy}) had died" in str(info.value), str(info.value)
+        assert not any(map(pid_alive, ranks))
+        assert pool.run(lambda: int(os.environ["RANK"])) == [0, 1]  # a new job
+
+
 def test_eight_ranks_on_few_cores_complete(tmp_path: Path) -> None:
     status, out, seconds, _ = dtlaunch(tmp_path, """
         import os
@@ -218,14 +400,17 @@ def test_rank_env_policy() -> None:
     assert "OPENBLAS_THREAD_TIMEOUT" not in apply_rank_env({}, local_ranks=2, cores=2)
 
 
-@pytest.mark.parametrize("opts, words", [
-    (["--nproc", "0", "x.py"], ["--nproc", "got 0"]),
-    (["--nproc", "2", "does_not_exist.py"], ["does_not_exist.py", "does not exist"]),
-    (["--nproc", "2", "--mpiexec", "/no/such/mpiexec", __file__], ["/no/such/mpiexec"]),
+@pytest.mark.parametrize("opts, env, words", [
+    (["--nproc", "0", "x.py"], {}, ["--nproc", "got 0"]),
+    (["--nproc", "2", "does_not_exist.py"], {}, ["does_not_exist.py", "does not exist"]),
+    (["--nproc", "2", "--mpiexec", "/no/such/mpiexec", __file__], {}, ["/no/such/mpiexec"]),
+    (["--nproc", "2", __file__], {"DTENSOR_EXIT_GRACE": "soon"}, ["DTENSOR_EXIT_GRACE='soon'"]),
+    (["--nproc", "2", __file__], {"DTENSOR_EXIT_GRACE": "-1"}, ["DTENSOR_EXIT_GRACE='-1'", "inf"]),
 ])
-def test_usage_errors_say_what_and_how_to_fix(opts: list[str], words: list[str]) -> None:
+def test_usage_errors_say_what_and_how_to_fix(opts: list[str], env: dict[str, str],
+                                              words: list[str]) -> None:
     proc = subprocess.run([str(DTLAUNCH), *opts], capture_output=True, text=True, timeout=30,
-                          check=False)
+                          check=False, env={**os.environ, **env})
     assert proc.returncode == 2 and all(w in proc.stderr for w in words), proc.stderr
 
 

@@ -193,13 +193,19 @@ class TensorMethods:
     def mean(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
         axis = _axes(dim if dim is not None else axis, self.ndim)
         n = math.prod([self.shape[a] for a in axis])
-        return self.sum(axis, keepdims or keepdim) / n
+        # float16 sums and divides in float32 before rounding back (as PyTorch): 100,000
+        # values of 1000 sum past float16's 65504, their mean does not.
+        x = self.astype(st.accumulate_dtype(self.dtype))
+        m = x.sum(axis, keepdims or keepdim) / n
+        return m if x is self else m.astype(self.dtype)
 
     def var(self, axis=None, keepdims=False, *, correction=1, dim=None, keepdim=None):
         axis = _axes(dim if dim is not None else axis, self.ndim)
         n = math.prod([self.shape[a] for a in axis])
-        d = self - self.mean(axis, keepdims=True)
-        return (d * d).sum(axis, keepdims or keepdim) / builtins.max(n - correction, 1)
+        x = self.astype(st.accumulate_dtype(self.dtype))  # float16: each d * d too (d ~ 256)
+        d = x - x.mean(axis, keepdims=True)
+        v = (d * d).sum(axis, keepdims or keepdim) / builtins.max(n - correction, 1)
+        return v if x is self else v.astype(self.dtype)
 
     def max(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
         axis, keepdims = (dim if dim is not None else axis), (keepdim or keepdims)

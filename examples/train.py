@@ -228,6 +228,12 @@ def main(argv=None) -> float:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss_val = step_fn(*data.batch("train", cfg.batch_size, cfg.block_size)).item()
+        if not math.isfinite(loss_val):
+            # Every rank holds the same (replicated) loss, so all of them stop here together.
+            raise SystemExit(
+                f"step {step}: loss is {loss_val}; training diverged, stopping. The learning "
+                f"rate (--lr {cfg.lr:g}, {lr_at(step, cfg):.2e} at this step) is likely too "
+                f"high: lower it, lengthen --warmup, or check --grad-clip and the data.")
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             now = time.perf_counter()
             n = step - last_logged  # steps since the last line (eval and saves included)

@@ -74,7 +74,9 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
 def rms_norm(x, normalized_shape, weight=None, eps: float | None = None):
     dims = _check_norm_shape(x, normalized_shape, "rms_norm")
     eps = float(np.finfo(x.dtype).eps) if eps is None else eps
-    y = x / ((x * x).mean(dims, keepdims=True) + eps).sqrt()
+    # In float32 for float16 x, as PyTorch: x * x is past float16's range from |x| = 256.
+    xa = x.astype(st.accumulate_dtype(x.dtype))
+    y = (xa / ((xa * xa).mean(dims, keepdims=True) + eps).sqrt()).astype(x.dtype)
     return y if weight is None else y * weight
 
 
@@ -94,11 +96,29 @@ def dropout(x, p: float = 0.5, training: bool = True):
     return pw.where(keep, x * (1.0 / (1.0 - p)), 0.0)
 
 
+def _index_values(t) -> np.ndarray | None:
+    """The values of an index tensor on this rank (a DTensor's local block), or None while
+    dtensor.compile traces: the compiled step's lookup and loss kernels check them instead."""
+    if isinstance(t, np.ndarray):
+        return t
+    local = (t.to_local() if hasattr(t, "to_local") else t).data
+    return local if isinstance(local, np.ndarray) else None
+
+
 def embedding(idx, weight):
-    """Rows ``weight[idx]``: (..., ) int indices -> (..., D)."""
+    """Rows ``weight[idx]``: (..., ) int indices -> (..., D).
+
+    An index outside [0, num_embeddings), negative ones included, is an IndexError, as in
+    PyTorch (numpy's take would count a negative one from the end).
+    """
     idx = as_tensor(idx) if not hasattr(idx, "dtype") else idx
     if not np.issubdtype(idx.dtype, np.integer):
         raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}.")
+    values = _index_values(idx)
+    if values is not None:  # here, not in the lookup, for one message eager and sharded
+        st.check_rows(values, weight.shape[0], "embedding: index",
+                      fix=f"Fix the indices, or make the embedding's num_embeddings "
+                          f"({weight.shape[0]}) larger.")
     return st.index_select(weight, idx)
 
 
@@ -147,6 +167,12 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
     if not np.issubdtype(target.dtype, np.integer):
         raise TypeError(f"cross_entropy: target must hold class indices (integers), got dtype "
                         f"{target.dtype}.")
+    values = _index_values(target)
+    if values is not None:
+        # Against the global class count: under loss_parallel each rank holds a block of the
+        # classes, and the vocab-parallel gather would let a target no block holds give 0.
+        st.check_rows(values, input.shape[-1], "cross_entropy: target", "classes",
+                      nnops.CE_FIX, ignore_index=ignore_index)
     if _vocab_parallel(input):
         from dtensor.parallel.loss import target_like, vocab_parallel_nll
         target = target_like(target, input)
@@ -160,8 +186,11 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
         return nll
     if reduction == "sum":
         return nll.sum()
-    # Mean over non-ignored targets; an all-ignored batch gives 0/0 = nan, as PyTorch.
-    return nll.sum() / valid.astype(input.dtype).sum()
+    # Mean over non-ignored targets; an all-ignored batch gives 0/0 = nan, as PyTorch. float16
+    # losses are summed and divided in float32: 40,000 rows of ~10 sum past 65504.
+    acc = st.accumulate_dtype(input.dtype)
+    mean = nll.astype(acc).sum() / valid.astype(acc).sum()
+    return mean.astype(input.dtype)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,

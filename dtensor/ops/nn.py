@@ -22,6 +22,7 @@ import numpy as np
 from dtensor.ops import blockwise
 from dtensor.ops.pointwise import pointwise_abstract
 from dtensor.ops.registry import Aval, defop
+from dtensor.ops.structural import accumulate_dtype, check_rows
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -252,10 +253,28 @@ def _log_softmax_backward_block(out, g, logp):
     np.subtract(g, out, out=out)
 
 
+def _accumulating(kernel, dtype):
+    """``kernel`` as it runs on rows of ``dtype``: float16 blocks are widened to float32, run,
+    and rounded once into the output (as PyTorch accumulates them), so every row sum, mean,
+    sum of squares and dot product of these kernels is a float32 one. The blocks are cache
+    sized (blockwise.py), so the widened copies never reach memory."""
+    acc = accumulate_dtype(dtype)
+    if acc == dtype:
+        return kernel
+
+    def widened(out, *ins):
+        wide = np.empty(out.shape, acc)
+        kernel(wide, *[a.astype(acc) for a in ins])
+        with np.errstate(over="ignore"):  # a result past float16's range is inf, as PyTorch's
+            out[...] = wide
+    return widened
+
+
 def _rowwise_new(kernel, *arrays):
     shape = arrays[-1].shape
     arrays = [_contig(np.broadcast_to(a, shape)) for a in arrays]
-    return blockwise.rowwise(kernel, np.empty_like(arrays[-1]), *arrays)
+    out = np.empty_like(arrays[-1])
+    return blockwise.rowwise(_accumulating(kernel, out.dtype), out, *arrays)
 
 
 def _last_dim_abstract(*xs):
@@ -275,12 +294,13 @@ def _softmax_impl(x, causal):
     out = np.empty_like(x)
     shape = (math.prod(x.shape[:-2]), L, S)
     xs, outs = x.reshape(shape), out.reshape(shape)
+    softmax_rows = _accumulating(_softmax_block, x.dtype)
 
     def run(lo, hi):  # whole (L, S) matrices: the mask broadcasts, no per-row gather
         block = outs[lo:hi]
         np.add(xs[lo:hi], add, out=block)
         rows = block.reshape(-1, S)
-        _softmax_block(rows, rows)
+        softmax_rows(rows, rows)
 
     blockwise.run_rows(run, xs.shape[0], L * S * x.itemsize)
     return out
@@ -331,16 +351,14 @@ def _normalize_backward_block(out, g, x, eps):
     # xhat = d rstd (d = x - mean); dx = rstd (g - mean(g) - xhat mean(g xhat))
     #                                  = (g - mean(g)) rstd - d (rstd^3 mean(g d)).
     # The per-row factors are formed first: one pass over the block fewer than scaling d to
-    # xhat (a column broadcast, the slowest of these passes). They are computed in at least
-    # float32 (float16's g . d overflows for a row of spread ~10, its rstd^3 from rstd ~40),
-    # and scaled by rstd one factor at a time (rstd^3 underflows for rows of spread ~1e13).
+    # xhat (a column broadcast, the slowest of these passes). They are scaled by rstd one factor
+    # at a time (rstd^3 underflows for rows of spread ~1e13); float16 rows arrive widened
+    # (_accumulating), where g . d overflowed for a spread of ~10.
     d, rstd = _normalize_stats(x, eps)
-    wide = np.promote_types(x.dtype, np.float32)
-    c = _vecdot(g.astype(wide, copy=False), d.astype(wide, copy=False))[:, None]
-    r = rstd.astype(wide, copy=False)
-    c *= r
-    c *= r
-    c *= r
+    c = _vecdot(g, d)[:, None]
+    c *= rstd
+    c *= rstd
+    c *= rstd
     c /= x.shape[1]
     np.subtract(g, _row_means(g), out=out)
     out *= rstd
@@ -372,25 +390,29 @@ def _lse_block(x):
     return m, _row_sums(e), e
 
 
+CE_FIX = ("Targets are class indices below the logits' class count; mark a row to skip with "
+          "cross_entropy's ignore_index.")
+
+
 def _rows(x, target):
-    """(rows, classes) logits and flat targets; a target outside [0, classes) is an error (numpy
-    would wrap a negative one round)."""
-    ts = np.asarray(target).reshape(-1)
+    """(rows, classes) logits and flat targets, checked to lie in [0, classes) (cross_entropy
+    has replaced its ignored ones)."""
     classes = x.shape[-1]
-    if ts.size and (ts.min() < 0 or ts.max() >= classes):
-        bad = ts[(ts < 0) | (ts >= classes)]
-        raise IndexError(f"softmax_cross_entropy: target {int(bad[0])} is out of range for "
-                         f"{classes} classes; targets must lie in [0, {classes}) (cross_entropy "
-                         f"skips rows equal to ignore_index).")
+    ts = check_rows(target, classes, "softmax_cross_entropy: target", "classes", CE_FIX)
     return _contig(x).reshape(math.prod(x.shape[:-1]), classes), ts
+
+
+# float16 logits are widened a block at a time (see _accumulating): in float16 a row's sum of
+# exponentials drops terms below 1/2048 of it, and passes 65504 for a vocabulary that large.
 
 
 def _softmax_cross_entropy_impl(x, target):
     xs, ts = _rows(x, target)
     out = np.empty(ts.shape, x.dtype)
+    acc = accumulate_dtype(x.dtype)
 
     def run(lo, hi):
-        m, s, _ = _lse_block(xs[lo:hi])
+        m, s, _ = _lse_block(xs[lo:hi].astype(acc, copy=False))
         np.log(s, out=s)
         s += m
         np.subtract(s[:, 0], xs[np.arange(lo, hi), ts[lo:hi]], out=out[lo:hi])
@@ -404,9 +426,10 @@ def _softmax_cross_entropy_backward_impl(g, x, target):
     xs, ts = _rows(x, target)
     gs = np.broadcast_to(g, np.shape(target)).reshape(-1, 1)
     out = np.empty_like(xs)
+    acc = accumulate_dtype(x.dtype)
 
     def run(lo, hi):
-        _, s, e = _lse_block(xs[lo:hi])
+        _, s, e = _lse_block(xs[lo:hi].astype(acc, copy=False))
         np.divide(gs[lo:hi], s, out=s)
         np.multiply(e, s, out=out[lo:hi])
         out[np.arange(lo, hi), ts[lo:hi]] -= gs[lo:hi, 0]

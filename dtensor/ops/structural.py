@@ -31,8 +31,29 @@ def _sum_vjp(g, out, x, axis, keepdims):
     return (g.broadcast_to(x.shape),)
 
 
+def accumulate_dtype(dtype) -> np.dtype:
+    """The type a reduction of ``dtype`` accumulates in: float32 for narrower floats (as
+    PyTorch's), else ``dtype`` itself. float16 holds 3 significant digits and nothing past
+    65504: a 256-wide row of spread 16 has a sum of squares past that, and 1000 additions of
+    0.1 down a column come to 105.2."""
+    dtype = np.dtype(dtype)
+    return np.promote_types(dtype, np.float32) if dtype.kind == "f" else dtype
+
+
+def _sum_impl(x, axis, keepdims):
+    acc = accumulate_dtype(x.dtype)
+    if acc == x.dtype:
+        return np.sum(x, axis=axis, keepdims=keepdims)
+    # Rounded once, at the end; a true sum past float16's range is inf, as PyTorch's. Under
+    # DTensor the per-rank partial sums are rounded so and all-reduced in float16 (as PyTorch's
+    # DTensor over NCCL): p ranks add p - 1 roundings, and mean and var divide in float32
+    # first (TensorMethods.mean), so their partials stay in range.
+    with np.errstate(over="ignore"):
+        return np.sum(x, axis=axis, keepdims=keepdims, dtype=acc).astype(x.dtype)
+
+
 sum = defop(
-    "sum", impl=lambda x, axis, keepdims: np.sum(x, axis=axis, keepdims=keepdims),
+    "sum", impl=_sum_impl,
     abstract=lambda x, axis, keepdims: Aval(_reduced_shape(x.shape, axis, keepdims), x.dtype),
     vjp=_sum_vjp, linearity="all", shard="reduce", lower="reduce:sum")
 
@@ -171,35 +192,55 @@ matmul = defop(
 
 # ---------------------------------------------------------------- gather / scatter along dim 0
 
+def check_rows(idx, num: int, what: str = "index", unit: str = "rows",
+               fix: str = "Fix the indices, or give the weight more rows.",
+               ignore_index: int | None = None) -> np.ndarray:
+    """``idx`` flattened, once each entry is checked to name one of ``num`` rows (or classes),
+    or to equal ``ignore_index``; otherwise an IndexError naming the first bad entry, where it
+    is, the valid range and ``fix``.
+
+    A negative entry is an error, as in PyTorch's embedding, index_select and cross_entropy,
+    not counted from the end as numpy's take would: a token id of -1 is a bug upstream, not
+    the last row. The embedding lookup and its gradient (eager, DTensor and compiled: through
+    ``wrap_rows``), cross-entropy's targets and the vocab-parallel kernels all check here, so
+    the error reads the same on every path; the vocab-parallel kernels pass the global row
+    count, so every rank checks against the whole vocabulary, not its block.
+    """
+    flat = np.asarray(idx).reshape(-1)
+    if not flat.size or (flat.min() >= 0 and flat.max() < num):
+        return flat
+    bad = (flat < 0) | (flat >= num)
+    if ignore_index is not None:
+        bad &= flat != ignore_index
+    if not bad.any():
+        return flat
+    i = int(np.argmax(bad))
+    pos = tuple(int(p) for p in np.unravel_index(i, np.shape(idx)))
+    count = int(np.count_nonzero(bad))
+    others = f"; {count - 1} more of the {flat.size} are too" if count > 1 else ""
+    skip = f", or equal ignore_index ({ignore_index})" if ignore_index is not None else ""
+    raise IndexError(f"{what} {int(flat[i])} is out of range for {num} {unit} (at position "
+                     f"{pos}{others}): each must lie in [0, {num}){skip}; a negative one is "
+                     f"an error, not counted from the end. {fix}")
+
+
+# The lookup's and its gradient's rows (dtensor.py's vocab-parallel kernels and the C backend's
+# index_add call it by this name).
+wrap_rows = check_rows
+
 index_select = defop(
-    "index_select", impl=lambda w, idx: np.take(w, idx, axis=0),
+    "index_select",
+    impl=lambda w, idx: np.take(w, check_rows(idx, w.shape[0]).reshape(np.shape(idx)), axis=0),
     abstract=lambda w, idx: Aval(tuple(idx.shape) + tuple(w.shape[1:]), w.dtype),
     vjp=lambda g, out, w, idx: (index_add(g, idx, w), None),
     linearity="all", shard="index_select", lower="extern:take", nondiff=(1,))
-
-
-def wrap_rows(idx, num: int) -> np.ndarray:
-    """``idx`` flattened, as rows of ``num`` the way the lookup's np.take reads them: -num ..
-    num - 1, a negative one counted from the end; any other is numpy's IndexError."""
-    flat = np.asarray(idx).reshape(-1)
-    if not flat.size:
-        return flat
-    lo, hi = flat.min(), flat.max()
-    if lo < -num or hi >= num:
-        bad = flat[(flat < -num) | (flat >= num)][0]
-        raise IndexError(f"index {bad} is out of bounds for axis 0 with size {num}")
-    if lo < 0:
-        flat = np.where(flat < 0, flat.astype(np.intp) + num, flat)  # (intp: no overflow)
-    return flat
 
 
 def index_add_rows(g, idx, num):
     """Rows of ``g`` summed into row ``idx`` of zeros((num, ...))."""
     # Sort the indices and sum runs of equal ones with reduceat: ~10x faster than np.add.at.
     rows = g.reshape((idx.size,) + g.shape[idx.ndim:])  # (-1) is ambiguous when empty
-    # -1 and num - 1 are one row (sorted apart, the second group's sum would overwrite the
-    # first's).
-    flat = wrap_rows(idx, num)
+    flat = check_rows(idx, num)
     out = np.zeros((num,) + rows.shape[1:], g.dtype)
     if flat.size == 0:
         return out

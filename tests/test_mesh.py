@@ -81,3 +81,29 @@ def test_world_of_one_without_mpiexec():
     mesh = init_device_mesh("cpu", (1,))
     assert mesh.get_coordinate() == [0]
     np.testing.assert_array_equal(mesh.get_group().all_reduce(np.arange(3.0)), np.arange(3.0))
+
+
+@pytest.mark.ranks(4)
+def test_check_same_over_a_sub_mesh(rank):
+    """A sub-mesh agrees over its own ranks only: other groups may pass other values."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    tp.check_same("same within a tp group", value=rank // 2)  # groups {0, 1} and {2, 3}
+    with pytest.raises(ValueError, match=r"value: 0 on ranks \[0\], 1 on ranks \[1\]|"
+                                         r"value: 2 on ranks \[2\], 3 on ranks \[3\]"):
+        tp.check_same("differs within a tp group", value=rank)
+    mesh.check_same("the whole mesh", value=0)
+    with pytest.raises(ValueError, match=r"the whole mesh: ranks passed different"):
+        mesh.check_same("the whole mesh", value=rank % 2)
+
+
+@pytest.mark.ranks(2)
+def test_mesh_arguments_agree_before_the_split(rank):
+    """Ranks that build different meshes raise on every rank instead of hanging in Split."""
+    with pytest.raises(ValueError, match=r"DeviceMesh: ranks passed different arguments "
+                                         r"\(mesh: \[0, 1\] on ranks \[0\], \[1, 0\] on "
+                                         r"ranks \[1\]\)"):
+        DeviceMesh("cpu", [0, 1] if rank == 0 else [1, 0])
+    with pytest.raises(TypeError, match=r"failed on rank 0: .*got the string 'tp'"):
+        init_device_mesh("cpu", (2,), mesh_dim_names="tp" if rank == 0 else ("tp",))
+    assert init_device_mesh("cpu", (2,), mesh_dim_names=["tp"]).mesh_dim_names == ("tp",)

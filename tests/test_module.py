@@ -470,3 +470,17 @@ def test_zero_grad_set_to_none_false_zeroes():
             f"BUG (dtensor/nn/module.py Module.zero_grad): set_to_none=False is ignored, "
             f"{name}.grad became None instead of zeros")
         np.testing.assert_array_equal(p.grad.numpy(), np.zeros(p.shape))
+
+
+def test_sizes_accept_numpy_integers():
+    """Sizes read from arrays or configs (numpy ints) are ints to every check, and stored as
+    Python ints; floats, bools and strings are refused (tests/test_bad_input.py)."""
+    from dtensor.nn import GPTConfig, LayerNorm, Linear
+    cfg = GPTConfig(n_layer=np.int64(2), n_head=np.int32(2), n_embd=np.int64(8),
+                    vocab_size=np.uint8(10), block_size=np.int16(4))
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.mlp_hidden) == (2, 2, 8, 32)
+    assert all(type(v) is int for v in (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size))
+    lin = Linear(np.int64(3), np.int32(2))
+    assert lin.weight.shape == (2, 3) and type(lin.in_features) is int
+    assert LayerNorm(np.int64(4)).normalized_shape == (4,)
+    assert LayerNorm([np.int64(2), 3]).normalized_shape == (2, 3)

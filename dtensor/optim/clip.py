@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from dtensor.autograd import no_grad
+from dtensor.optim.optimizers import _show
 from dtensor.tensor import TensorMethods, where
 
 _REALS = (int, float, np.integer, np.floating)
@@ -88,12 +89,12 @@ def _params_with_grad(parameters) -> list:
     elif (parameters is None or isinstance(parameters, (str, bytes, Mapping))
           or not isinstance(parameters, Iterable)):
         raise TypeError(f"clip_grad_norm_: parameters must be a tensor or an iterable of "
-                        f"tensors, got {parameters!r:.80} (type {type(parameters).__name__}); pass "
-                        f"model.parameters().")
+                        f"tensors, got {_show(parameters)} (type {type(parameters).__name__}); "
+                        f"pass model.parameters().")
     params, first = [], {}
     for i, p in enumerate(parameters):
         if not isinstance(p, TensorMethods):
-            raise TypeError(f"clip_grad_norm_: parameters[{i}] is {p!r:.80} (type "
+            raise TypeError(f"clip_grad_norm_: parameters[{i}] is {_show(p)} (type "
                             f"{type(p).__name__}), not a tensor; pass model.parameters().")
         if id(p) in first:
             raise ValueError(f"clip_grad_norm_: parameters[{i}] is parameters[{first[id(p)]}] "
@@ -102,12 +103,12 @@ def _params_with_grad(parameters) -> list:
         first[id(p)] = i
         if p.grad is not None:
             if not isinstance(p.grad, TensorMethods):
-                raise TypeError(f"clip_grad_norm_: the gradient of parameters[{i}] is a "
+                raise TypeError(f"clip_grad_norm_: the gradient of parameters[{i}] has type "
                                 f"{type(p.grad).__name__}, not a tensor; assign p.grad a "
                                 f"tensor.")
             params.append(p)
     if not first:
-        raise ValueError(f"clip_grad_norm_: got no parameters ({parameters!r:.80}); pass "
+        raise ValueError(f"clip_grad_norm_: got no parameters ({_show(parameters)}); pass "
                          f"model.parameters(), and note a generator is used up after one pass.")
     if not params:
         raise ValueError(f"clip_grad_norm_: none of the {len(first)} parameters has a "

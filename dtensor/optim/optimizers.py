@@ -59,7 +59,7 @@ class _Real:
     def check(self, label: str, v, fix: str):
         # Not numbers.Real: a Fraction or Decimal would turn the update into object arrays.
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, _REALS):
-            raise TypeError(f"invalid {label}: {v!r} is a {type(v).__name__}, not a real "
+            raise TypeError(f"invalid {label}: {v!r} has type {type(v).__name__}, not a real "
                             f"number; {fix}.")
         inside = self.lo <= v <= self.hi if self.closed else self.lo <= v < self.hi
         if not (inside and _finite(v)):
@@ -80,9 +80,10 @@ class _Pair:
 
     def check(self, name: str, v, fix: str):
         if not isinstance(v, (tuple, list)):
-            raise TypeError(f"invalid {name}: {v!r} is a {type(v).__name__}, not a pair; {fix}.")
+            raise TypeError(f"invalid {name}: {v!r} has type {type(v).__name__}, not a pair; "
+                            f"{fix}.")
         if len(v) != 2:
-            raise ValueError(f"invalid {name}: {v!r} has {len(v)} values, not 2; {fix}.")
+            raise ValueError(f"invalid {name}: {v!r} has length {len(v)}, not 2; {fix}.")
         for i, b in enumerate(v):
             self.item.check(f"beta parameter at index {i} ({name}[{i}])", b, fix)
         return v if isinstance(v, tuple) else tuple(v)
@@ -98,11 +99,17 @@ class _Flag:
     def check(self, name: str, v, fix: str):
         # A truthy non-bool (nesterov="False", nesterov=0.0) would switch the option silently.
         if not isinstance(v, (bool, np.bool_)):
-            raise TypeError(f"invalid {name}: {v!r} is a {type(v).__name__}, not a bool; {fix}.")
+            raise TypeError(f"invalid {name}: {v!r} has type {type(v).__name__}, not a bool; "
+                            f"{fix}.")
         return bool(v)
 
     def fix(self, name: str) -> str:
         return f"pass {name}=True or {name}=False"
+
+
+def _show(v) -> str:
+    """``repr(v)`` on one line, cut to 80 characters (a tensor's repr spans lines)."""
+    return " ".join(repr(v).split())[:80]
 
 
 def _what(p) -> str:
@@ -178,7 +185,7 @@ class Optimizer:
         """Check ``group`` (``loc`` names it, ``params_loc`` its parameters) and append it."""
         if not isinstance(group, Mapping):
             raise TypeError(f"{owner}: {loc} must be a dict {{'params': [...], ...}}, got "
-                            f"{group!r:.80} (type {type(group).__name__}).")
+                            f"{_show(group)} (type {type(group).__name__}).")
         if "params" not in group:
             raise ValueError(f"{owner}: {loc} has no 'params' entry (keys {sorted(group)}); "
                              f"pass {{'params': [...], ...}}.")
@@ -205,12 +212,12 @@ class Optimizer:
                             f"changes between runs and ranks); pass a list.")
         if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
             raise TypeError(f"{owner}: {loc} must be a tensor or an iterable of tensors, got "
-                            f"{params!r:.80} (type {type(params).__name__}).")
+                            f"{_show(params)} (type {type(params).__name__}).")
         out, first = [], {}
         for i, p in enumerate(params):
             at = f"{owner}: {loc}[{i}]"
             if not isinstance(p, TensorMethods):
-                raise TypeError(f"{at} is {p!r:.80} (type {type(p).__name__}): optimizer can "
+                raise TypeError(f"{at} is {_show(p)} (type {type(p).__name__}): optimizer can "
                                 f"only optimize Tensors; pass nn.Parameter (or DTensor) values.")
             if not np.issubdtype(p.dtype, np.floating):
                 raise TypeError(f"{at} is {_what(p)}; an optimizer updates floating-point "
@@ -268,7 +275,7 @@ class Optimizer:
                 if g is not None and getattr(g, "shape", None) != p.shape:
                     at = f"{name}.step: the gradient of param_groups[{gi}]['params'][{i}]"
                     if not hasattr(g, "shape"):
-                        raise TypeError(f"{at} is {g!r:.80} (type {type(g).__name__}), not a "
+                        raise TypeError(f"{at} is {_show(g)} (type {type(g).__name__}), not a "
                                         f"tensor; assign p.grad a tensor of shape {p.shape}.")
                     raise ValueError(f"{at} has shape {tuple(g.shape)}, the parameter "
                                      f"{tuple(p.shape)}; assign p.grad a tensor of the "
@@ -315,7 +322,7 @@ class Optimizer:
         at = f"{type(self).__name__}.load_state_dict"
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"{at}: expected the dict state_dict() returns, got "
-                            f"{state_dict!r:.80} (type {type(state_dict).__name__}).")
+                            f"{_show(state_dict)} (type {type(state_dict).__name__}).")
         missing = [k for k in ("state", "param_groups") if k not in state_dict]
         if missing:
             raise ValueError(f"{at}: the state dict has no {missing} (keys "
@@ -323,10 +330,10 @@ class Optimizer:
         groups, states = state_dict["param_groups"], state_dict["state"]
         if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping)
                                                             for g in groups):
-            raise TypeError(f"{at}: 'param_groups' must be a list of dicts, got {groups!r:.80}.")
+            raise TypeError(f"{at}: 'param_groups' must be a list of dicts, got {_show(groups)}.")
         if not isinstance(states, Mapping):
             raise TypeError(f"{at}: 'state' must be a dict {{index: {{name: value}}}}, got "
-                            f"{states!r:.80} (type {type(states).__name__}).")
+                            f"{_show(states)} (type {type(states).__name__}).")
         if len(groups) != len(self.param_groups):
             raise ValueError(f"{at}: loaded state dict has a different number of parameter "
                              f"groups: {len(groups)}, this optimizer {len(self.param_groups)}; "
@@ -338,7 +345,7 @@ class Optimizer:
             idx = g.get("params")
             if not isinstance(idx, (list, tuple)) or not all(_is_int(i) for i in idx):
                 raise TypeError(f"{where}['params'] must be a list of int indices, got "
-                                f"{idx!r:.80}.")
+                                f"{_show(idx)}.")
             if len(idx) != len(own["params"]):
                 raise ValueError(f"{where}: loaded state dict contains a parameter group that "
                                  f"doesn't match the size of optimizer's group: {len(idx)} "
@@ -368,7 +375,7 @@ class Optimizer:
         """``entry`` if it is a full state for ``p``: no state at all (the parameter has not
         stepped), or exactly ``state_tensors`` shaped like ``p`` plus an int step count."""
         if not isinstance(entry, Mapping):
-            raise TypeError(f"{where} must be a dict {{name: value}}, got {entry!r:.80} (type "
+            raise TypeError(f"{where} must be a dict {{name: value}}, got {_show(entry)} (type "
                             f"{type(entry).__name__}).")
         if not entry:
             return entry
@@ -378,14 +385,16 @@ class Optimizer:
                              f"{sorted(map(str, entry))}, expected {sorted(want)} (or none); "
                              f"pass what {type(self).__name__}.state_dict() returned.")
         step = entry["step"]
-        if not _is_int(step) or step < 0:
+        if not _is_int(step):
             raise TypeError(f"{where}['step'] must be an int >= 0, got {step!r} (type "
                             f"{type(step).__name__}).")
+        if step < 0:
+            raise ValueError(f"{where}['step'] must be an int >= 0, got {step!r}.")
         for name in self.state_tensors:
             v = entry[name]
             if not isinstance(v, TensorMethods):
                 raise TypeError(f"{where}[{name!r}] must be a tensor like the parameter "
-                                f"({_what(p)}), got {v!r:.80} (type {type(v).__name__}).")
+                                f"({_what(p)}), got {_show(v)} (type {type(v).__name__}).")
             if (hasattr(v, "placements") != hasattr(p, "placements") or v.shape != p.shape
                     or v.dtype != p.dtype or
                     getattr(v, "placements", None) != getattr(p, "placements", None)):

@@ -293,7 +293,8 @@ def _commit(root: Path, version: str, tensors, values, size, all_blocks, made) -
     tmp, final = made[0], root / version
     with _naming(tmp / "metadata.json"):
         _fsync_write(tmp / "metadata.json", json.dumps(meta))
-    os.rename(tmp, final)
+    with _naming(final):
+        os.rename(tmp, final)
     made[0] = final
     # LATEST's new text is written inside our own folder, so no user file is ever clobbered.
     with _naming(root / "LATEST"):
@@ -308,6 +309,9 @@ def _commit(root: Path, version: str, tensors, values, size, all_blocks, made) -
 
 # ----------------------------------------------------------------------------- metadata
 
+_KINDS = {int: "an integer", str: "a string", list: "a list", dict: "a JSON object"}
+
+
 def _check_meta(meta, where: Path) -> dict:
     """``meta`` validated whole: a field of the wrong type, a name that is not ours, or blocks
     that do not tile their tensor exactly once is a CheckpointError naming the field."""
@@ -319,7 +323,7 @@ def _check_meta(meta, where: Path) -> dict:
         if key not in d:
             raise bad(field, f"has no {key!r} key")
         if not isinstance(d[key], kind) or isinstance(d[key], bool):
-            raise bad(f"{field}[{key!r}]", f"is {d[key]!r}, not a {kind.__name__}")
+            raise bad(f"{field}[{key!r}]", f"is {d[key]!r}, not {_KINDS[kind]}")
         return d[key]
 
     def ints(d, key, field, n=None, low=0):
@@ -327,7 +331,7 @@ def _check_meta(meta, where: Path) -> dict:
         if (n is not None and len(v) != n) or any(type(x) is not int or not low <= x < 2**62
                                                   for x in v):
             count = "" if n is None else f"{n} "
-            raise bad(f"{field}[{key!r}]", f"is {v!r}, not {count}integers >= {low}")
+            raise bad(f"{field}[{key!r}]", f"is {v!r}, not {count}integers in [{low}, 2**62)")
         return v
 
     if not isinstance(meta, dict):
@@ -511,13 +515,13 @@ def _read_latest(root: Path) -> str:
     path = root / "LATEST"
     try:
         with _open_regular(path, str(path)) as f:
-            raw = f.read(65)
+            raw = f.read(257)
     except FileNotFoundError:
         raise CheckpointError(f"no complete checkpoint at {root}: {path} is missing (a save "
                               f"that did not finish leaves only *.partial folders).") from None
     text = raw.decode("ascii", errors="replace").strip()
-    if len(raw) > 64 or not _VERSION.fullmatch(text):
-        raise CheckpointError(f"{path} holds {raw[:40]!r}, not the name of a version folder "
+    if len(raw) > 256 or not _VERSION.fullmatch(text):
+        raise CheckpointError(f"{path} holds {raw!r}, not the name of a version folder "
                               f"like 'v3'; the file is corrupt or not a checkpoint's.")
     return text
 

@@ -1,0 +1,612 @@
+"""dtensor.checkpoint never loses or exposes data: a save removes only what it wrote; a load
+reads nothing outside its checkpoint, checks the metadata whole and each member's size and header
+before reading data; collective saves and loads that cannot complete fail on every rank."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import time
+import tracemalloc
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dtensor
+from dtensor.checkpoint import CheckpointError
+
+W = np.arange(12, dtype=np.float32).reshape(4, 3)  # saved as member a0 of rank0.npz
+B = np.array([5.0, 6.0], np.float32)               # a1
+
+
+def state(scale=0.0, step=0):
+    return {"w": dtensor.tensor(W * scale), "b": dtensor.tensor(B * scale), "step": step}
+
+
+def values(st):
+    return st["w"].numpy(), st["b"].numpy(), st["step"]
+
+
+def saved(root, scale=1.0, step=1):
+    dtensor.checkpoint.save(state(scale, step), root)
+    return Path(root)
+
+
+def edit_meta(root, fn):
+    path = Path(root) / "v1" / "metadata.json"
+    meta = json.loads(path.read_text())
+    fn(meta)
+    path.write_text(json.dumps(meta))
+
+
+def snapshot(top):
+    """{relative path: what it is}: every entry under ``top``, symlinks not followed."""
+    out = {}
+    for dirpath, dirs, files in os.walk(top):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, top)
+            if os.path.islink(p):
+                out[rel] = ("link", os.readlink(p))
+            elif os.path.isdir(p):
+                out[rel] = ("dir",)
+            else:
+                out[rel] = ("file", Path(p).read_bytes())
+    return out
+
+
+# ----------------------------------------------------------------------------- look-alikes
+
+def _folder(p, outside):
+    p.mkdir()
+    (p / "notes.txt").write_text(f"the user's {p.name}")
+
+
+def _file(p, outside):
+    p.write_text(f"the user's file {p.name}")
+
+
+def _marked(p, outside, marker="dtensor-checkpoint"):
+    _folder(p, outside)
+    (p / ".dtensor-checkpoint").write_text(marker)
+
+
+def _link_to_user_data(p, outside):
+    target = outside / f"data_{p.name}"
+    _marked(target, outside)  # even holding our marker: never deleted through a symlink
+    p.symlink_to(target, target_is_directory=True)
+
+
+def _marker_is_a_folder(p, outside):
+    _folder(p, outside)
+    (p / ".dtensor-checkpoint").mkdir()
+
+
+def _marker_is_a_symlink(p, outside):
+    _folder(p, outside)
+    (outside / "real_marker").write_text("dtensor-checkpoint")
+    (p / ".dtensor-checkpoint").symlink_to(outside / "real_marker")
+
+
+LOOKALIKES = [  # (name in the checkpoint folder, how the user made it)
+    ("videos", _folder),
+    ("venv", _folder),
+    ("vocab_data", _folder),
+    ("v2_notes", _folder),
+    ("v3", _file),                                       # our name, but a file
+    ("v4", _link_to_user_data),                          # our name, a symlink
+    ("v5.partial", _folder),                             # our name, no marker
+    ("v01", _marked),                                    # marker, name not exactly ours
+    ("v1.bak", _marked),
+    ("v2.partial.old", _marked),
+    ("LATEST.bak", _file),
+    ("LATEST.new", _file),
+    ("v6", _marker_is_a_folder),
+    ("v7.partial", _marker_is_a_symlink),
+    ("v8", lambda p, o: _marked(p, o, marker="something else")),
+    ("v9.partial", _file),
+]
+
+
+def test_saves_remove_nothing_but_their_own_versions(tmp_path):
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    for name, make in LOOKALIKES:
+        make(root / name, outside)
+    before, before_outside = snapshot(root), snapshot(outside)
+    # Versions go past every name a version could take (v9.partial): none is reused.
+    written = [dtensor.checkpoint.save(state(1.0 + i, step=i), root) for i in range(3)]
+    assert written == ["v10", "v11", "v12"]
+    after = snapshot(root)
+    for name, _ in LOOKALIKES:
+        mine = {k: v for k, v in before.items() if k == name or k.startswith(name + "/")}
+        assert {k: after.get(k) for k in mine} == mine, name
+    assert snapshot(outside) == before_outside
+    assert sorted(set(os.listdir(root)) - {n for n, _ in LOOKALIKES}) == ["LATEST", "v12"]
+    st = state()
+    dtensor.checkpoint.load(st, root)
+    np.testing.assert_array_equal(st["w"].numpy(), W * 3.0)
+
+
+def test_a_crashed_saves_own_partial_folder_is_removed(tmp_path):
+    saved(tmp_path)
+    (tmp_path / "v2.partial").mkdir()  # what a save killed mid-way leaves: marker first
+    (tmp_path / "v2.partial" / ".dtensor-checkpoint").write_text("dtensor-checkpoint")
+    (tmp_path / "v2.partial" / "rank0.npz").write_bytes(b"half")
+    assert dtensor.checkpoint.save(state(2.0), tmp_path) == "v3"
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "v3"]
+
+
+def test_save_onto_a_file_names_the_path(tmp_path):
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"the user's file")
+    with pytest.raises(NotADirectoryError, match=re.escape(str(path)) + " exists and is not a"):
+        dtensor.checkpoint.save(state(1.0), path)
+    assert path.read_bytes() == b"the user's file"
+
+
+# ----------------------------------------------------------------------------- path attacks
+
+def _latest(text):
+    def attack(root, decoy):
+        (root / "LATEST").write_text(text if isinstance(text, str) else text(decoy))
+    return attack
+
+
+def _replace_with(rel, how):
+    """Replace ``root/rel`` by a FIFO, a folder, or a symlink to the decoy's ``rel``."""
+    def attack(root, decoy):
+        p = root / rel
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+        if how == "fifo":
+            os.mkfifo(p)
+        elif how == "folder":
+            p.mkdir()
+        else:
+            p.symlink_to(decoy / rel)
+            if rel == "v1/rank0.npz":  # and the checksums the decoy's, so it would load
+                _take_decoy_crcs(root, decoy)
+    return attack
+
+
+def _take_decoy_crcs(root, decoy):
+    theirs = json.loads((decoy / "v1" / "metadata.json").read_text())
+
+    def fn(meta):
+        for k, t in meta["tensors"].items():
+            for b, d in zip(t["blocks"], theirs["tensors"][k]["blocks"]):
+                b["crc32"] = d["crc32"]
+    edit_meta(root, fn)
+
+
+def _shard_name(name):
+    def attack(root, decoy):
+        _take_decoy_crcs(root, decoy)
+
+        def fn(meta):
+            meta["tensors"]["w"]["blocks"][0]["file"] = (name if isinstance(name, str)
+                                                         else name(decoy))
+        edit_meta(root, fn)
+    return attack
+
+
+def _entry(name):
+    return lambda root, decoy: edit_meta(
+        root, lambda m: m["tensors"]["w"]["blocks"][0].__setitem__("entry", name))
+
+
+PATH_ATTACKS = [  # (name, attack(root, decoy), what the error names)
+    ("LATEST ../..", _latest("../.."), r"LATEST holds b'\.\./\.\.', not the name of a version"),
+    ("LATEST into the decoy", _latest("../decoy/v1"), r"LATEST holds b'\.\./decoy/v1'"),
+    ("LATEST absolute", _latest(lambda d: str(d / "v1")), r"LATEST holds b'/.*/decoy/v1'"),
+    ("LATEST /etc", _latest("/etc"), r"LATEST holds b'/etc'"),
+    ("LATEST ../x", _latest("../x"), r"LATEST holds b'\.\./x'"),
+    ("LATEST v1 + junk", _latest("v1" + " " * 300 + "x"), r"LATEST holds b'v1 "),
+    ("LATEST a FIFO", _replace_with("LATEST", "fifo"), r"LATEST is not a regular file"),
+    ("LATEST a symlink", _replace_with("LATEST", "link"), r"LATEST is a symlink"),
+    ("version a symlink", _replace_with("v1", "link"),
+     r"v1 \(named by LATEST\) is not a folder of this checkpoint but a symlink"),
+    ("metadata a symlink", _replace_with("v1/metadata.json", "link"),
+     r"v1/metadata\.json is a symlink"),
+    ("metadata a FIFO", _replace_with("v1/metadata.json", "fifo"),
+     r"v1/metadata\.json is not a regular file"),
+    ("file ../..", _shard_name("../../decoy/v1/rank0.npz"),
+     r"\['blocks'\]\[0\]\['file'\] is '\.\./\.\./decoy/v1/rank0\.npz', not 'rank<r>\.npz'"),
+    ("file absolute", _shard_name(lambda d: str(d / "v1" / "rank0.npz")),
+     r"\['blocks'\]\[0\]\['file'\] is '/.*/decoy/v1/rank0\.npz'"),
+    ("file of no rank", _shard_name("rank1.npz"),
+     r"\['file'\] is 'rank1\.npz', not 'rank<r>\.npz' for a rank r of the 1 that saved"),
+    ("file rank01", _shard_name("rank01.npz"), r"\['file'\] is 'rank01\.npz'"),
+    ("shard a FIFO", _replace_with("v1/rank0.npz", "fifo"),
+     r"rank0\.npz, the 'file' of block 0 of 'w', is not a regular file"),
+    ("shard a folder", _replace_with("v1/rank0.npz", "folder"),
+     r"rank0\.npz, the 'file' of block 0 of 'w', is not a regular file"),
+    ("shard a symlink out", _replace_with("v1/rank0.npz", "link"),
+     r"rank0\.npz, the 'file' of block 0 of 'w', is a symlink"),
+    ("entry ../a0", _entry("../a0"), r"\['blocks'\]\[0\]\['entry'\] is '\.\./a0', not 'a<n>'"),
+    ("entry a0.npy", _entry("a0.npy"), r"\['entry'\] is 'a0\.npy'"),
+]
+
+
+@pytest.mark.timeout(60)  # a FIFO that blocked the load would hang here
+@pytest.mark.parametrize("attack,pattern", [c[1:] for c in PATH_ATTACKS],
+                         ids=[c[0] for c in PATH_ATTACKS])
+def test_paths_from_the_checkpoint_never_lead_outside_it(tmp_path, attack, pattern):
+    root, decoy = saved(tmp_path / "ckpt"), saved(tmp_path / "decoy", scale=100.0, step=99)
+    st = state()
+    dtensor.checkpoint.load(st, root)  # the checkpoint is good before the attack
+    np.testing.assert_array_equal(st["w"].numpy(), W)
+    attack(root, decoy)
+    st = state()
+    with pytest.raises(CheckpointError, match=pattern):
+        dtensor.checkpoint.load(st, root)
+    w, b, step = values(st)  # nothing was loaded, the decoy's values least of all
+    assert not w.any() and not b.any() and step == 0
+
+
+# ----------------------------------------------------------------------------- metadata
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def fn(meta):
+        d = meta
+        for k in path[:-1]:
+            d = d[k]
+        if value is _DELETE:
+            del d[path[-1]]
+        else:
+            d[path[-1]] = value
+    return fn
+
+
+_DELETE = object()
+WB = ("tensors", "w", "blocks")
+
+
+def _blocks(*boxes):
+    """w saved as these (offsets, shape) blocks, all pointing at the real member."""
+    def fn(meta):
+        b0 = meta["tensors"]["w"]["blocks"][0]
+        meta["tensors"]["w"]["blocks"] = [dict(b0, offsets=list(o), shape=list(s))
+                                          for o, s in boxes]
+    return fn
+
+
+def _foreign(meta):
+    meta.clear()
+    meta["x"] = 0
+
+
+META_ATTACKS = [  # (name, edit of metadata.json, what the error names)
+    ("overlap, same volume", _blocks(((0, 0), (2, 3)), ((1, 0), (2, 3))),
+     r"tensors\['w'\]\['blocks'\] 0 and 1 overlap \(offsets \[0, 0\] and \[1, 0\]"),
+    ("overlap, extra block", _blocks(((0, 0), (4, 3)), ((0, 0), (2, 3))),
+     r"tensors\['w'\]\['blocks'\] hold 18 elements but the shape \[4, 3\] has 12"),
+    ("gap", _blocks(((0, 0), (3, 3))), r"hold 9 elements but the shape \[4, 3\] has 12"),
+    ("no blocks", _set(*WB, []), r"tensors\['w'\]\['blocks'\] hold 0 elements"),
+    ("block past the shape", _blocks(((2, 0), (4, 3))),
+     r"\['blocks'\]\[0\] \(offsets \[2, 0\], shape \[4, 3\]\) reaches past the global shape"),
+    ("shape a string", _set("tensors", "w", "shape", "4,3"),
+     r"tensors\['w'\]\['shape'\] is '4,3', not a list"),
+    ("negative shape", _set("tensors", "w", "shape", [-4, 3]),
+     r"tensors\['w'\]\['shape'\] is \[-4, 3\], not integers in \[0, 2\*\*62\)"),
+    ("huge shape", _set("tensors", "w", "shape", [2**70, 3]), r"\['shape'\] is \[1180591"),
+    ("bool offsets", _set(*WB, 0, "offsets", [False, False]),
+     r"\['blocks'\]\[0\]\['offsets'\] is \[False, False\], not 2 integers"),
+    ("float offsets", _set(*WB, 0, "offsets", [0.0, 0]), r"\['offsets'\] is \[0\.0, 0\]"),
+    ("negative offset", _set(*WB, 0, "offsets", [-1, 0]), r"\['offsets'\] is \[-1, 0\]"),
+    ("extra ndim", _set(*WB, 0, "offsets", [0, 0, 0]),
+     r"\['offsets'\] is \[0, 0, 0\], not 2 integers"),
+    ("block shape short", _set(*WB, 0, "shape", [12]), r"\['blocks'\]\[0\]\['shape'\] is \[12\]"),
+    ("missing tensors", _set("tensors", _DELETE), r"the metadata has no 'tensors' key"),
+    ("missing values", _set("values", _DELETE), r"the metadata has no 'values' key"),
+    ("missing blocks", _set("tensors", "w", "blocks", _DELETE),
+     r"tensors\['w'\] has no 'blocks' key"),
+    ("missing dtype", _set("tensors", "w", "dtype", _DELETE), r"tensors\['w'\] has no 'dtype'"),
+    ("missing crc", _set(*WB, 0, "crc32", _DELETE), r"\['blocks'\]\[0\] has no 'crc32' key"),
+    ("object dtype", _set("tensors", "w", "dtype", "|O"),
+     r"tensors\['w'\]\['dtype'\] is '\|O', not a numeric dtype"),
+    ("string dtype", _set("tensors", "w", "dtype", "<U5"), r"\['dtype'\] is '<U5'"),
+    ("crc a string", _set(*WB, 0, "crc32", "0x1234"), r"\['crc32'\] is '0x1234', not an integer"),
+    ("crc too big", _set(*WB, 0, "crc32", 2**40), r"\['crc32'\] is 1099511627776, not a CRC-32"),
+    ("world_size a bool", _set("world_size", True), r"\['world_size'\] is True, not an integer"),
+    ("tensors a list", _set("tensors", [1, 2]), r"\['tensors'\] is \[1, 2\], not a JSON object"),
+    ("tensor a list", _set("tensors", "w", [1, 2]),
+     r"tensors\['w'\] is \[1, 2\], not a JSON object"),
+    ("block a string", _set(*WB, 0, "x"), r"tensors\['w'\]\['blocks'\]\[0\] is 'x'"),
+    ("placements numbers", _set("tensors", "w", "placements", [0]),
+     r"\['placements'\] is \[0\], not a list of names"),
+    ("mesh shape zero", _set("tensors", "w", "mesh_shape", [0]), r"\['mesh_shape'\] is \[0\]"),
+    ("version a bool", _set("version", True), r"has format version True"),
+    ("not our format", _foreign, r"has format None, not 'dtensor-checkpoint'"),
+]
+
+
+@pytest.mark.parametrize("edit,pattern", [c[1:] for c in META_ATTACKS],
+                         ids=[c[0] for c in META_ATTACKS])
+def test_metadata_is_checked_whole_before_any_block_is_read(tmp_path, edit, pattern):
+    root = saved(tmp_path)
+    edit_meta(root, edit)
+    (root / "v1" / "rank0.npz").unlink()  # so reading any block first would say "missing"
+    st = state()
+    with pytest.raises(CheckpointError, match=pattern):
+        dtensor.checkpoint.load(st, root)
+    assert not values(st)[0].any()
+
+
+@pytest.mark.parametrize("text,pattern", [
+    (b"[" * 100_000, r"metadata\.json is not valid JSON"),
+    (b"\xff\xfe{", r"metadata\.json is not valid JSON"),
+    (b"[1, 2]", r"the metadata is a list, not a JSON object"),
+])
+def test_metadata_that_is_not_a_json_object(tmp_path, text, pattern):
+    root = saved(tmp_path)
+    (root / "v1" / "metadata.json").write_bytes(text)
+    with pytest.raises(CheckpointError, match=pattern):
+        dtensor.checkpoint.load(state(), root)
+
+
+# ----------------------------------------------------------------------------- planted members
+
+def _plant(root, shape, dtype, data: bytes | int, compress=False):
+    """Rewrite rank0.npz with member a0.npy holding an .npy header for ``shape`` ``dtype`` and
+    then ``data`` (bytes, or that many zero bytes streamed); a1.npy stays as saved."""
+    path = root / "v1" / "rank0.npz"
+    with zipfile.ZipFile(path) as z:
+        a1 = z.read("a1.npy")
+    method = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+    with zipfile.ZipFile(path, "w", method, compresslevel=1 if compress else None) as z:
+        with z.open("a0.npy", "w", force_zip64=True) as m:
+            np.lib.format.write_array_header_1_0(
+                m, {"descr": np.dtype(dtype).str, "fortran_order": False, "shape": shape})
+            if isinstance(data, bytes):
+                m.write(data)
+            else:
+                chunk = bytes(1 << 20)
+                for _ in range(data >> 20):
+                    m.write(chunk)
+        z.writestr("a1.npy", a1)
+    return path
+
+
+BOMB = 256 << 20  # inflated bytes of the planted member (a 6.7 MB one took 1.5 GB of RSS)
+
+PLANTED = [  # (name, plant arguments, what the error names)
+    ("deflate bomb", ((4, 3), "<f4", BOMB, True),
+     rf"block 0 of 'w'\): member 'a0\.npy' inflates to {BOMB + 128} bytes, but the block of "
+     r"shape \[4, 3\] float32 takes 48 plus a header"),
+    ("stored, oversized", ((4, 3), "<f4", 1 << 20, False),
+     r"member 'a0\.npy' inflates to 1048704 bytes"),
+    ("header shape huge", ((100_000, 100_000), "<f4", bytes(48), False),
+     r"the \.npy header says shape \[100000, 100000\] float32, the metadata \[4, 3\] float32"),
+    ("header dtype", ((2, 3), "<f8", bytes(48), False),
+     r"header says shape \[2, 3\] float64, the metadata \[4, 3\] float32"),
+    ("header object", ((4, 3), "|O", bytes(48), False), r"header says shape \[4, 3\] object"),
+    ("trailing data", ((4, 3), "<f4", bytes(48 + 1000), False),
+     r"the member holds 1048 bytes of data, the block needs 48"),
+    ("short data", ((4, 3), "<f4", bytes(40), False),
+     r"the member holds 40 bytes of data, the block needs 48"),
+]
+
+
+@pytest.mark.parametrize("args,pattern", [c[1:] for c in PLANTED], ids=[c[0] for c in PLANTED])
+def test_a_planted_member_fails_before_its_data_is_read(tmp_path, args, pattern):
+    root = saved(tmp_path)
+    _plant(root, *args)
+    st = state()
+    tracemalloc.start()
+    t = time.perf_counter()
+    try:
+        with pytest.raises(CheckpointError, match=pattern):
+            dtensor.checkpoint.load(st, root)
+        took = time.perf_counter() - t
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert took < 1.0 and peak < 4 << 20, (took, peak)  # the bomb is never inflated
+    assert not values(st)[0].any()
+
+
+# ----------------------------------------------------------------------------- on 2 ranks
+
+def _dstate(rank_values=None, placements="S", scale=0.0, step=0, shape=(4, 3), dtype=None):
+    from dtensor.dtensor import distribute_tensor
+    from dtensor.mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    w = np.arange(np.prod(shape), dtype=dtype or np.float32).reshape(shape) * scale
+    p = [dtensor.Shard(0)] if placements == "S" else [dtensor.Replicate()]
+    return {"w": distribute_tensor(dtensor.tensor(w), mesh, p),
+            "b": distribute_tensor(dtensor.tensor(B * scale), mesh, [dtensor.Replicate()]),
+            "step": step}
+
+
+def _dvalues(st):
+    return st["w"].full_tensor().numpy(), st["b"].full_tensor().numpy(), st["step"]
+
+
+def _same_everywhere(comm, error):
+    got = comm._c.allgather((type(error).__name__, str(error)))
+    assert got[0] == got[1], got
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_save_onto_a_file_fails_on_every_rank(comm, rank, tmp_path):
+    path = tmp_path / "model.bin"
+    if rank == 0:
+        path.write_bytes(b"the user's file")
+    comm.barrier()
+    # Every rank finds the file itself: each raises its own (identical) error.
+    with pytest.raises(NotADirectoryError, match=r"^(checkpoint\.save failed on rank 0: )?"
+                       r"checkpoint\.save: " + re.escape(str(path)) + " exists and is not a") as e:
+        dtensor.checkpoint.save(_dstate(scale=1.0), path)
+    _same_everywhere(comm, e.value)
+    assert path.read_bytes() == b"the user's file"
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+@pytest.mark.ranks(2, timeout=120)
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_a_call_on_rank_0_only_times_out_there_instead_of_hanging(comm, rank, tmp_path, call):
+    root = tmp_path / "ckpt"
+    st = _dstate(scale=1.0)
+    if call == "load":
+        dtensor.checkpoint.save(st, root)
+    fresh = _dstate()  # init_device_mesh and distribute_tensor are collective themselves
+    gave_up = tmp_path / "rank0_gave_up"
+    if rank == 0:
+        with _env("DTENSOR_COLLECTIVE_TIMEOUT", "0.5"):
+            t = time.perf_counter()
+            with pytest.raises(TimeoutError, match=rf"checkpoint\.{call} is collective: every "
+                               r"rank of the group \[0, 1\] must call it, and rank 0 waited "
+                               r"0\.5 s"):
+                getattr(dtensor.checkpoint, call)(fresh, root)
+            assert time.perf_counter() - t < 5
+        gave_up.touch()
+    else:
+        while not gave_up.exists():
+            time.sleep(0.01)
+        comm._allgather_digest("late", np.zeros(1, np.int64))  # completes rank 0's request
+    comm.barrier()
+    if call == "save":
+        assert not root.exists()  # rank 0 wrote nothing
+    else:
+        assert sorted(os.listdir(root)) == ["LATEST", "v1"] and not _dvalues(fresh)[0].any()
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_ranks_that_pass_different_arguments_fail_together(comm, rank, tmp_path):
+    root = tmp_path / "ckpt"
+    # (name, each rank's (state, path), what the error names). distribute_tensor is collective
+    # and checks its own arguments, so every rank builds both ranks' tensors.
+    cases = [
+        ("path", [(_dstate(), tmp_path / f"ck{r}") for r in (0, 1)],
+         r"path: \S*/ck0 on ranks \[0\], \S*/ck1 on ranks \[1\]"),
+        ("keys", [(_dstate(), root), ({**_dstate(), "extra": 1}, root)],
+         r"values: \['step'\] on ranks \[0\], \['step', 'extra'\] on ranks \[1\]"),
+        ("shape", [(_dstate(), root), (_dstate(shape=(6, 3)), root)],
+         r"tensors: .*'shape': \[4, 3\].* on ranks \[0\], .*'shape': \[6, 3\].* on ranks "
+         r"\[1\]"),
+        ("dtype", [(_dstate(), root), (_dstate(dtype=np.float64), root)],
+         r"tensors: .*'<f4'.* on ranks \[0\], .*'<f8'.* on ranks \[1\]"),
+        ("placements", [(_dstate(), root), (_dstate(placements="R"), root)],
+         r"tensors: .*\['S\(0\)'\].* on ranks \[0\], .*\['R'\].* on ranks \[1\]"),
+    ]
+    for name, per_rank, pattern in cases:
+        st, path = per_rank[rank]
+        for call in ("save", "load"):
+            with pytest.raises(ValueError, match=rf"checkpoint\.{call}: ranks passed different "
+                               rf"arguments \({pattern}\)\.") as info:
+                getattr(dtensor.checkpoint, call)(st, path)
+            _same_everywhere(comm, info.value)
+    comm.barrier()
+    assert not root.exists() and not (tmp_path / "ck0").exists()
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_a_load_that_fails_on_one_rank_fails_on_both_and_changes_nothing(comm, rank, tmp_path):
+    dtensor.checkpoint.save(_dstate(scale=1.0, step=1), tmp_path)
+    if rank == 0:  # rank 1 alone reads rank1.npz (rows 2-3 of w)
+        shard = tmp_path / "v1" / "rank1.npz"
+        with zipfile.ZipFile(shard) as z:
+            at = shard.read_bytes().find(z.read("a0.npy")[128:])
+        data = bytearray(shard.read_bytes())
+        data[at] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    comm.barrier()
+    st = _dstate()
+    with pytest.raises(CheckpointError, match=r"checkpoint\.load failed on rank 1: .*rank1\.npz "
+                                              r"cannot be read for 'w': checksum mismatch") as e:
+        dtensor.checkpoint.load(st, tmp_path)
+    _same_everywhere(comm, e.value)
+    w, b, step = _dvalues(st)
+    assert not w.any() and not b.any() and step == 0
+
+
+@contextlib.contextmanager
+def _patched(target, name, when, error):
+    real = getattr(target, name)
+
+    def fake(*args, **kwargs):
+        if when(*args):
+            raise error
+        return real(*args, **kwargs)
+    setattr(target, name, fake)
+    try:
+        yield
+    finally:
+        setattr(target, name, real)
+
+
+def _fd_is(suffix):
+    return lambda fd: os.readlink(f"/proc/self/fd/{fd}").endswith(suffix)
+
+
+def _no_space():
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _denied():
+    return PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+
+DISK_FAILURES = [  # (name, failing rank, (target, function, when, error), type, path named)
+    ("shard, disk full", 1, (np, "savez", lambda *a: True, _no_space), OSError,
+     r"v2\.partial/rank1\.npz"),
+    ("shard, denied", 0, (np, "savez", lambda *a: True, _denied), PermissionError,
+     r"v2\.partial/rank0\.npz"),
+    ("partial folder, denied", 0, (os, "mkdir", lambda p, *a: str(p).endswith(".partial"),
+                                   _denied), PermissionError, r"v2\.partial'"),
+    ("marker, disk full", 0, (os, "fsync", _fd_is(".dtensor-checkpoint"), _no_space), OSError,
+     r"v2\.partial'"),
+    ("metadata, disk full", 0, (os, "fsync", _fd_is("metadata.json"), _no_space), OSError,
+     r"v2\.partial/metadata\.json"),
+    ("rename, denied", 0, (os, "rename", lambda *a: True, _denied), PermissionError, r"v2'"),
+    ("LATEST, disk full", 0, (os, "fsync", _fd_is("LATEST.new"), _no_space), OSError,
+     r"LATEST'"),
+    ("LATEST replace, denied", 0, (os, "replace", lambda *a: True, _denied), PermissionError,
+     r"LATEST'"),
+]
+
+
+@pytest.mark.ranks(2, timeout=120)
+@pytest.mark.parametrize("failing,patch,kind,named", [c[1:] for c in DISK_FAILURES],
+                         ids=[c[0] for c in DISK_FAILURES])
+def test_a_save_that_fails_midway_keeps_the_previous_checkpoint(comm, rank, tmp_path, failing,
+                                                                patch, kind, named):
+    dtensor.checkpoint.save(_dstate(scale=1.0, step=1), tmp_path)
+    target, name, when, error = patch
+    newer = _dstate(scale=2.0, step=2)
+    with pytest.raises(OSError) as info:
+        with (_patched(target, name, when, error()) if rank == failing
+              else contextlib.nullcontext()):
+            dtensor.checkpoint.save(newer, tmp_path)
+    assert type(info.value) is kind
+    assert re.search(rf"checkpoint\.save failed on rank {failing}: \[Errno \d+\] .*/"
+                     + named, str(info.value)), info.value
+    _same_everywhere(comm, info.value)
+    comm.barrier()
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "v1"]  # no partial, no uncommitted v2
+    st = _dstate()
+    dtensor.checkpoint.load(st, tmp_path)
+    w, b, step = _dvalues(st)
+    np.testing.assert_array_equal(w, W)
+    assert step == 1

@@ -39,7 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dtensor.launcher.job import MpiJob, find_mpiexec, pid_alive
+from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
 
 TIMEOUT_EXIT = 124  # as coreutils' timeout(1)
 GRACE_VAR = "DTENSOR_EXIT_GRACE"
@@ -115,7 +115,7 @@ class _Watch:
         self.children: dict[int, str] = {}
         self.child_gone_at: float | None = None
         self.first_done_at: float | None = None
-        self.last_waits: dict[int, str] | None = None
+        self.waits = StuckWatch(job)
 
     def check(self) -> str | None:
         return self._lost_child() or self._left_waiting()
@@ -131,17 +131,17 @@ class _Watch:
             self.children = {p: n for p, n in self.children.items() if not pid_alive(p)}
         if time.monotonic() - self.child_gone_at < CHILD_GONE_S:
             return None
-        return self.lost_child_report(1)
+        return self.lost_child_report(1, seen_here=True)
 
-    def lost_child_report(self, status: int) -> str | None:
+    def lost_child_report(self, status: int, seen_here: bool = False) -> str | None:
         """Why the job ended if a child of mpiexec died while the job ran, else None.
 
-        Seen from here (a child of mpiexec gone while mpiexec runs) or from the ranks it
-        started (their ``orphan`` records): once they exit, mpiexec notices and exits too,
-        possibly before this watch looked again.
+        Seen from here (``seen_here``: a child of mpiexec gone for seconds while mpiexec runs)
+        or by the ranks it started (their ``orphan`` records): once they exit, mpiexec notices
+        and exits too, possibly before this watch looked again. A child seen gone just before
+        mpiexec exited is no evidence: hydra's proxy also ends when its ranks were killed.
         """
-        dead = {pid: (name, []) for pid, name in self.children.items()
-                if self.child_gone_at is not None}
+        dead = {pid: (name, []) for pid, name in self.children.items() if seen_here}
         for rank, record in sorted(self.job.records("orphan").items()):
             dead.setdefault(record["pid"], (record["name"], []))[1].append(rank)
         if not dead:
@@ -162,11 +162,8 @@ class _Watch:
         running = sorted(self.job.rank_pids().keys() - done.keys())
         if not running or now - self.first_done_at < self.grace:
             return None
-        waits = self.job.mpi_waits(running)
-        where = {r: w for r, (w, _) in waits.items()}
-        stuck = len(waits) == len(running) and where == self.last_waits
-        self.last_waits = where if len(waits) == len(running) else None
-        if not stuck:
+        waits = self.waits.stuck(running)
+        if not waits:
             return None
         first = min(done.values(), key=lambda d: d["time"])
         left = ", ".join(f"rank {r} {d['how']} at {_clock(d['time'])}"

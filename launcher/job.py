@@ -345,6 +345,30 @@ class MpiJob:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class StuckWatch:
+    """Tells ranks that wait in MPI for good: every one of them in a blocking MPI call, at the
+    same place in two consecutive looks (call :meth:`stuck` at intervals; each look is a stack
+    dump, see :meth:`MpiJob.mpi_waits`).
+
+    Used where another rank has finished and will never join: a rank merely computing, or
+    blocked outside MPI, is never taken for stuck. A survivor that keeps looping over
+    collectives with other survivors, on one line, would be.
+    """
+
+    def __init__(self, job: MpiJob) -> None:
+        self.job = job
+        self.seen: dict[int, str] | None = None
+
+    def stuck(self, ranks: Sequence[int]) -> dict[int, tuple[str, str]]:
+        """``{rank: (where, stack)}`` for ``ranks`` if they are stuck (see above), else {}."""
+        waits = self.job.mpi_waits(ranks)
+        where = {r: w for r, (w, _) in waits.items()}
+        complete = len(waits) == len(ranks)
+        stuck = complete and where == self.seen
+        self.seen = where if complete else None
+        return waits if stuck else {}
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host and is not a zombie."""
     try:

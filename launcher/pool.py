@@ -9,6 +9,9 @@ Failure handling, in the parent:
 - a rank raises: wait ``grace`` seconds for the others; if all replied the pool stays usable,
   else the silent ones are stuck (in a collective waiting for the failed rank): dump their stacks,
   kill the job; the next ``run`` starts a new one.
+- a rank returns while others still run: ``grace`` seconds on, if the others all sit in a
+  blocking MPI call, at the same place in two looks, they wait for a rank that will never join:
+  the same, with a message naming who returned.
 - ``timeout``: SIGUSR1 every rank (faulthandler writes its Python stack), kill the job.
 - a rank dies (EOF on its socket, mpiexec exits): report which, kill what is left.
 """
@@ -30,7 +33,7 @@ from typing import Any, ClassVar
 
 import cloudpickle
 from dtensor.launcher.bootstrap import ENV_AUTHKEY, ENV_CAPTURE
-from dtensor.launcher.job import MpiJob, find_mpiexec, pid_alive
+from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
 
 
 def _code_reduce(code: types.CodeType) -> tuple[Any, tuple[Any, ...]]:
@@ -65,7 +68,8 @@ class RankError(RuntimeError):
     """A run on the ranks failed: a rank raised, died, or the run timed out.
 
     Attributes:
-        rank: the first rank that failed (by time), or None when none did (a timeout).
+        rank: the first rank that failed (by time), or None when none did (a timeout); for
+            ranks left waiting in MPI by others that returned, the lowest of those.
         traceback: that rank's formatted traceback ("" for a timeout).
         failures: traceback of every rank that raised, by rank.
         exc_types: the exception type name of every rank that raised, by rank.
@@ -102,7 +106,8 @@ class RankPool:
             :attr:`last_output` and in errors) instead of this process's terminal.
         mpiexec: mpiexec to use (default: :func:`~dtensor.launcher.job.find_mpiexec`).
         env: extra environment variables for the ranks.
-        grace: seconds to wait for the other ranks after one raised.
+        grace: seconds to wait for the other ranks after one raised, or after one
+            returned before looking whether the others wait for it in MPI.
         startup_timeout: seconds for every rank to start and connect.
 
     Example:
@@ -256,7 +261,9 @@ class RankPool:
         failures: dict[int, tuple[float, str, str]] = {}  # rank -> (time, type, traceback)
         start = time.monotonic()
         grace_end: float | None = None
-        while pending and not died:
+        returned_at: float | None = None  # when a rank first returned while others still ran
+        waits, stuck = StuckWatch(job), {}
+        while pending and not died and not stuck:
             ends = [t for t in (grace_end, None if timeout is None else start + timeout) if t]
             now = time.monotonic()
             if ends and now >= min(ends):
@@ -287,8 +294,23 @@ class RankPool:
                 died = {r for r in died if not pid_alive(self.pids.get(r, -1))} or died
             if failures and grace_end is None:
                 grace_end = time.monotonic() + self.grace
+            if results and pending and not failures:
+                returned_at = returned_at or time.monotonic()
+                if time.monotonic() - returned_at >= self.grace:
+                    stuck = waits.stuck(sorted(pending))
         outputs = {r: job.read(f"rank{r}.out", start) for r, start in marks.items()}
         self.last_output = {r: text for r, text in outputs.items() if text}
+        if stuck:
+            job.kill()
+            returned = sorted(results)
+            raise RankError(
+                f"{_ranks(returned)} of {self.nproc} returned while {_ranks(stuck)} still ran, and "
+                f"{self.grace:g} s later {'it waits' if len(stuck) == 1 else 'they wait'} in an "
+                "MPI call that the returned ranks will never join (a collective that only some "
+                "ranks call?); the pool was shut down. Python stacks:\n"
+                + _stacks_text({r: s for r, (_, s) in stuck.items()}),
+                rank=returned[0], stacks={r: s for r, (_, s) in stuck.items()},
+                outputs=self.last_output)
         if not pending and not died and not failures:
             return [results[r] for r in range(self.nproc)]
         raise self._failure(failures, pending, died, timeout)

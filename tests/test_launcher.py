@@ -360,6 +360,35 @@ def test_pool_reports_its_ranks_dying_with_their_proxy() -> None:
         assert pool.run(lambda: int(os.environ["RANK"])) == [0, 1]  # a new job
 
 
+def test_pool_ends_a_run_whose_ranks_wait_for_one_that_returned() -> None:
+    def barrier_on_rank_zero_only(seconds: float) -> int:
+        import time
+
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank == 0:
+            time.sleep(seconds)  # computing, not waiting: never taken for stuck
+            MPI.COMM_WORLD.Barrier()
+        return MPI.COMM_WORLD.rank
+
+    def sleep_on_rank_zero(seconds: float) -> int:
+        rank = int(os.environ["RANK"])
+        time.sleep(seconds if rank == 0 else 0)
+        return rank
+
+    with RankPool(2, capture=True, grace=1.0) as pool:
+        assert pool.run(sleep_on_rank_zero, 3.0, timeout=60) == [0, 1]
+        start = time.monotonic()
+        with pytest.raises(RankError) as info:
+            pool.run(barrier_on_rank_zero_only, 3.0, timeout=60)
+        assert 3 <= time.monotonic() - start < 15
+        assert "rank 1 of 2 returned while rank 0 still ran" in str(info.value), str(info.value)
+        assert info.value.rank == 1
+        assert "MPI.COMM_WORLD.Barrier()" in info.value.stacks[0]
+        assert not pool.alive
+        assert pool.run(lambda: int(os.environ["RANK"])) == [0, 1]  # a new job
+
+
 def test_eight_ranks_on_few_cores_complete(tmp_path: Path) -> None:
     status, out, seconds, _ = dtlaunch(tmp_path, """
         import os

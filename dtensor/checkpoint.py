@@ -476,7 +476,8 @@ class _Checkpoint:
             raise CheckpointError(f"{path} is missing (block {i} of {key!r}).") from None
         except CheckpointError:
             raise
-        except (zipfile.BadZipFile, zlib.error, ValueError, EOFError, OSError) as e:
+        # (RuntimeError: an encrypted member; NotImplementedError: an unknown compression)
+        except (zipfile.BadZipFile, zlib.error, ValueError, EOFError, OSError, RuntimeError) as e:
             what = ("checksum mismatch (the zip member's CRC-32)" if "CRC" in str(e)
                     else "the file is truncated or corrupt")
             raise CheckpointError(f"{path} cannot be read for {key!r}: {what} "

@@ -376,10 +376,10 @@ def _plant(root, shape, dtype, data: bytes | int, compress=False):
     return path
 
 
-BOMB = 256 << 20  # inflated bytes of the planted member (a 6.7 MB one took 1.5 GB of RSS)
+BOMB = 128 << 20  # inflated bytes of the planted member (a 6.7 MB one took 1.5 GB of RSS)
 
 PLANTED = [  # (name, plant arguments, what the error names)
-    ("deflate bomb", ((4, 3), "<f4", BOMB, True),
+    ("deflate bomb", ((BOMB // 4,), "<f4", BOMB, True),
      rf"block 0 of 'w'\): member 'a0\.npy' inflates to {BOMB + 128} bytes, but the block of "
      r"shape \[4, 3\] float32 takes 48 plus a header"),
     ("stored, oversized", ((4, 3), "<f4", 1 << 20, False),
@@ -394,6 +394,28 @@ PLANTED = [  # (name, plant arguments, what the error names)
     ("short data", ((4, 3), "<f4", bytes(40), False),
      r"the member holds 40 bytes of data, the block needs 48"),
 ]
+
+
+def _central_entry(root, field_offset, value):
+    """Set a 2-byte field of a0.npy's central directory entry in rank0.npz."""
+    path = root / "v1" / "rank0.npz"
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while data[at + 46:at + 52] != b"a0.npy":
+        at = data.find(b"PK\x01\x02", at + 1)
+    data[at + field_offset:at + field_offset + 2] = value.to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    (8, 1, r"rank0\.npz cannot be read for 'w': .*RuntimeError: File .*a0\.npy.* is encrypted"),
+    (10, 99, r"rank0\.npz cannot be read for 'w': .*NotImplementedError: .*compression"),
+], ids=["encrypted", "unknown compression"])
+def test_a_member_zipfile_cannot_open_is_a_checkpoint_error(tmp_path, field, value, pattern):
+    root = saved(tmp_path)
+    _central_entry(root, field, value)
+    with pytest.raises(CheckpointError, match=pattern):
+        dtensor.checkpoint.load(state(), root)
 
 
 @pytest.mark.parametrize("args,pattern", [c[1:] for c in PLANTED], ids=[c[0] for c in PLANTED])

@@ -31,6 +31,7 @@ import threading
 
 import numpy as np
 
+from dtensor.compile import cache
 from dtensor.compile.graph import Graph, Node
 
 __all__ = ["lower_graph", "num_threads", "CompilerNotFound"]
@@ -414,33 +415,52 @@ def _cpu() -> str:
         return platform.processor()
 
 
-def build(source: str) -> ctypes.CDLL:
-    """Compile ``source`` to a shared library in the compile cache (named by the hash of the
-    source, compiler, flags and CPU) unless it is there, and load it."""
-    from dtensor.compile.numpy_backend import _cache_dir
-    cc = _compiler()
+def _library_stem(source: str, cc: str) -> str:
+    """Cache path (no suffix) of ``source``'s library: named by the hash of the source,
+    compiler, flags and CPU."""
     key = "\n".join([source, cc, " ".join(FLAGS), _cpu(), platform.machine()])
-    path = os.path.join(_cache_dir(), f"dtc_c_{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    return os.path.join(cache.cache_dir(), f"dtc_c_{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+
+
+def build(source: str) -> ctypes.CDLL:
+    """Compile ``source`` to a shared library in the compile cache unless it is there, and
+    load it. A cached library is loaded only if its bytes match the SHA-256 kept beside it
+    (``.so.sha256``, written after the library): a truncated, corrupt or foreign one is
+    rebuilt."""
+    cc = _compiler()
+    path = _library_stem(source, cc)
     lib = path + ".so"
-    if not os.path.exists(lib):
+    so = cache.read_or_none(lib)
+    if so is None or cache.read_or_none(lib + ".sha256") != _digest(so):
         # Every file this process writes is its own until renamed into place (atomically):
         # ranks building the same library at once never read each other's half-written files.
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp + ".c", "w") as f:
-            f.write(source)
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp + ".so", tmp + ".c", "-lm"],
-                                  capture_output=True, text=True)
-        except OSError as e:
-            raise CompilerNotFound(f"dtensor.compile(backend='c'): cannot run the C compiler "
-                                   f"{cc!r} ({e}); set $CC to one, or use backend='numpy'.")
-        if done.returncode:
-            os.replace(tmp + ".c", path + ".c")  # kept for the error message's line numbers
-            raise RuntimeError(f"dtensor.compile(backend='c'): {cc} failed on {path}.c:\n"
-                               f"{done.stderr[-4000:]}")
-        os.replace(tmp + ".c", path + ".c")
-        os.replace(tmp + ".so", lib)
+            cache.write_atomic(tmp + ".c", source.encode())
+            try:
+                done = subprocess.run([cc, *FLAGS, "-o", tmp + ".so", tmp + ".c", "-lm"],
+                                      capture_output=True, text=True)
+            except OSError as e:
+                raise CompilerNotFound(f"dtensor.compile(backend='c'): cannot run the C "
+                                       f"compiler {cc!r} ({e}); set $CC to one, or use "
+                                       f"backend='numpy'.")
+            os.replace(tmp + ".c", path + ".c")  # kept for the error's line numbers
+            if done.returncode:
+                raise RuntimeError(f"dtensor.compile(backend='c'): {cc} failed on {path}.c:\n"
+                                   f"{done.stderr[-4000:]}")
+            with open(tmp + ".so", "rb") as f:
+                digest = _digest(f.read())
+            os.replace(tmp + ".so", lib)
+            cache.write_atomic(lib + ".sha256", digest)
+        finally:
+            for leftover in (tmp + ".c", tmp + ".so"):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
     return ctypes.CDLL(lib)
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).hexdigest().encode()
 
 
 # ----------------------------------------------------------------------------- threads

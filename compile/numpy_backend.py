@@ -10,23 +10,16 @@ dropped (``del``) right after its last use, so memory peaks where eager's would.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import sys
-import tempfile
+import types
 
 import numpy as np
 
+from dtensor.compile import cache
 from dtensor.compile.graph import KERNEL_KINDS, Graph, Node, Slot
 
 __all__ = ["generate", "load"]
-
-
-def _cache_dir() -> str:
-    d = os.environ.get("DTENSOR_COMPILE_CACHE") or os.path.join(
-        tempfile.gettempdir(), f"dtensor-compile-{os.getuid() if hasattr(os, 'getuid') else 0}")
-    os.makedirs(d, exist_ok=True)
-    return d
 
 
 def generate(graph: Graph, name: str) -> tuple[str, dict]:
@@ -81,22 +74,26 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
 
 
 def import_source(source: str, prefix: str):
-    """Write generated source to a file named by its hash (atomically) and import it; returns
-    (module, path). Tracebacks through it show the generated lines."""
+    """Write generated source to the compile cache under its hash and import it; returns
+    (module, path). Tracebacks through it show the generated lines.
+
+    A file already there is used only if it holds exactly ``source``; a truncated or foreign
+    one is rewritten. The module runs the source checked here, compiled from memory: importing
+    the file would read it again and could take a stale ``__pycache__`` entry instead."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    path = os.path.join(_cache_dir(), f"{prefix}_{digest}.py")
-    if not os.path.exists(path):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)
     mod_name = f"dtensor_{prefix}_{digest}"
+    path = os.path.join(cache.cache_dir(), f"{prefix}_{digest}.py")
+    if cache.read_or_none(path) != source.encode():
+        cache.write_atomic(path, source.encode())
     mod = sys.modules.get(mod_name)
     if mod is None:
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        sys.modules[mod_name] = mod
+        mod = sys.modules[mod_name] = types.ModuleType(mod_name)  # as import: in, then run
+        mod.__file__ = path
+        try:
+            exec(compile(source, path, "exec"), mod.__dict__)
+        except BaseException:
+            del sys.modules[mod_name]
+            raise
     return mod, path
 
 

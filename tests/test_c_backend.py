@@ -273,7 +273,7 @@ def test_ranks_building_one_library_at_once(monkeypatch, tmp_path):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         libs = list(pool.map(lambda _: c_backend.build(source), range(6)))
     assert all(lib.f1999() == 1999 for lib in libs)
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".c", ".so"]
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".c", ".sha256", ".so"]
 
 
 def test_cross_entropy_target_out_of_range_is_an_index_error():

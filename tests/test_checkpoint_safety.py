@@ -438,7 +438,7 @@ def test_a_planted_member_fails_before_its_data_is_read(tmp_path, args, pattern)
 
 # ----------------------------------------------------------------------------- on 2 ranks
 
-def _dstate(rank_values=None, placements="S", scale=0.0, step=0, shape=(4, 3), dtype=None):
+def _dstate(placements="S", scale=0.0, step=0, shape=(4, 3), dtype=None):
     from dtensor.dtensor import distribute_tensor
     from dtensor.mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))

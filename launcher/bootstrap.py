@@ -184,7 +184,8 @@ def _exit_when_orphaned(rank: int) -> None:
     """
     parent = os.getppid()
     try:
-        name = open(f"/proc/{parent}/comm").read().strip()  # noqa: SIM115 (read whole at once)
+        with open(f"/proc/{parent}/comm") as f:
+            name = f.read().strip()
     except OSError:  # not Linux
         name = "parent process"
 
@@ -196,9 +197,10 @@ def _exit_when_orphaned(rank: int) -> None:
                 report_dir = os.environ.get(ENV_DIR)
                 record = {"rank": rank, "time": time.time(), "pid": parent, "name": name}
                 try:
-                    _write_atomic(os.path.join(report_dir or "/nonexistent",
-                                               f"rank{rank}.orphan"), json.dumps(record))
-                except OSError:  # no launch directory on this host
+                    if report_dir:
+                        _write_atomic(os.path.join(report_dir, f"rank{rank}.orphan"),
+                                      json.dumps(record))
+                except OSError:  # the launch directory is on another host
                     pass
                 break
             if _launcher_gone():

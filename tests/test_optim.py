@@ -351,6 +351,106 @@ def test_clip_grad_norm_without_grads_raises():
         optim.clip_grad_norm_(ps, 1.0)
 
 
+def test_clip_grad_norm_generator_is_read_once_like_a_list():
+    """torch turns the iterable into a list once: a generator clips exactly as the list does."""
+    ps, gs = _grads_params(13)
+    qs, _ = _grads_params(13)
+    a = optim.clip_grad_norm_(iter(ps), 0.5, norm_type=3.0)
+    b = optim.clip_grad_norm_(qs, 0.5, norm_type=3.0)
+    assert float(a) == float(b)
+    for p, q in zip(ps, qs):
+        np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+
+
+def test_clip_grad_norm_inf_string_and_edge_max_norms():
+    ps, gs = _grads_params(14)
+    qs, _ = _grads_params(14)
+    assert float(optim.clip_grad_norm_(ps, 0.1, "inf")) == float(
+        optim.clip_grad_norm_(qs, 0.1, math.inf)) == _np_norm(gs, math.inf)
+    for p, q in zip(ps, qs):
+        np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+    ps, gs = _grads_params(15)
+    optim.clip_grad_norm_(ps, math.inf)  # inf: no clipping
+    for p, g in zip(ps, gs):
+        np.testing.assert_array_equal(p.grad.numpy(), g)
+    optim.clip_grad_norm_(ps, 0.0)  # 0: every gradient zeroed
+    for p in ps:
+        np.testing.assert_array_equal(p.grad.numpy(), np.zeros(p.shape))
+
+
+def test_clip_grad_norm_nonfinite_total_follows_torch():
+    """torch multiplies by clamp(max_norm / (total + 1e-6), max=1): a NaN total makes every
+    gradient NaN, an infinite one zeroes the finite entries; error_if_nonfinite raises instead,
+    and with a finite total it changes nothing."""
+    ps, gs = _grads_params(16)
+    ps[1].grad = dtensor.Tensor(np.array([1.0, np.nan, 2.0, 3.0]))
+    assert math.isnan(float(optim.clip_grad_norm_(ps, 1.0)))
+    assert all(np.isnan(p.grad.numpy()).all() for p in ps)
+    ps, gs = _grads_params(17)
+    ps[1].grad = dtensor.Tensor(np.array([1.0, np.inf, 2.0, 3.0]))
+    with np.errstate(invalid="ignore"):  # the inf entry itself becomes inf * 0 = NaN
+        assert float(optim.clip_grad_norm_(ps, 1.0)) == math.inf
+    np.testing.assert_array_equal(ps[0].grad.numpy(), np.zeros(SHAPES[0]))
+    ps, gs = _grads_params(17)
+    ps[1].grad = dtensor.Tensor(np.array([1.0, np.inf, 2.0, 3.0]))
+    with pytest.raises(RuntimeError, match=r"non-finite \(inf\)"):
+        optim.clip_grad_norm_(ps, 1.0, error_if_nonfinite=True)
+    np.testing.assert_array_equal(ps[0].grad.numpy(), gs[0])  # raised before scaling
+    ps, gs = _grads_params(18)
+    qs, _ = _grads_params(18)
+    optim.clip_grad_norm_(ps, 1.0, error_if_nonfinite=True)
+    optim.clip_grad_norm_(qs, 1.0)
+    for p, q in zip(ps, qs):
+        np.testing.assert_array_equal(p.grad.numpy(), q.grad.numpy())
+
+
+def test_sgd_momentum_set_in_a_group_has_state_to_checkpoint():
+    """The state a group's momentum needs exists in state_dict() even when the constructor's
+    momentum is 0, so a checkpoint round trip continues exactly."""
+    init, grads = _make(8)
+    params = _params(init)
+    opt = optim.SGD([{"params": params[:1]}, {"params": params[1:], "momentum": 0.9}], lr=0.05)
+    assert set(opt.state_dict()["state"][1]) == {"momentum_buffer", "step"}
+    assert opt.state_dict()["state"][0] == {}
+    for p, g in zip(params, grads[0]):
+        p.grad = dtensor.Tensor(g.copy())
+    opt.step()
+    fresh = _params([p.numpy().copy() for p in params])
+    resumed = optim.SGD([{"params": fresh[:1]}, {"params": fresh[1:], "momentum": 0.9}],
+                        lr=0.05)
+    resumed.load_state_dict(opt.state_dict())
+    for o, ps in ((opt, params), (resumed, fresh)):
+        for p, g in zip(ps, grads[1]):
+            p.grad = dtensor.Tensor(g.copy())
+        o.step()
+    want = ref_sgd(init[1:], [g[1:] for g in grads[:2]], lr=0.05, momentum=0.9)[-1]
+    for p, q, w in zip(params[1:], fresh[1:], want):
+        np.testing.assert_array_equal(p.numpy(), q.numpy())
+        np.testing.assert_allclose(p.numpy(), w, rtol=RTOL, atol=1e-14)
+
+
+def test_loaded_state_is_a_copy():
+    """load_state_dict copies (torch deep-copies): two optimizers loaded from one state_dict()
+    do not share state, and float32 state stays float32."""
+    init, grads = _make(9)
+    params = _params([a.astype(np.float32) for a in init])
+    opt = optim.AdamW(params, lr=0.01)
+    for p, g in zip(params, grads[0]):
+        p.grad = dtensor.Tensor(g.astype(np.float32))
+    opt.step()
+    sd = opt.state_dict()
+    twin = optim.AdamW(_params([p.numpy().copy() for p in params]), lr=0.01)
+    twin.load_state_dict(sd)
+    before = [twin.state[p]["exp_avg"].numpy().copy() for p in twin.param_groups[0]["params"]]
+    for p, g in zip(params, grads[1]):
+        p.grad = dtensor.Tensor(g.astype(np.float32))
+    opt.step()
+    for p, b in zip(twin.param_groups[0]["params"], before):
+        st = twin.state[p]
+        assert st["exp_avg"].dtype == np.float32 and st["step"] == 1
+        np.testing.assert_array_equal(st["exp_avg"].numpy(), b)
+
+
 # ---------------------------------------------------------------- end to end
 def test_linear_regression_trains_with_sgd():
     dtensor.manual_seed(0)

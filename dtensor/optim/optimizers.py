@@ -39,6 +39,7 @@ def _step_scalars(make) -> dict:
 
 
 _INTS = (int, np.integer)
+_MISSING = object()
 _REALS = (int, float, np.integer, np.floating)
 
 
@@ -47,7 +48,8 @@ def _finite(v) -> bool:
     return abs(v) < 2 ** 1024 if isinstance(v, _INTS) else math.isfinite(v)
 
 
-# -- hyperparameter rules: each checks one value, returns it (normalised) or raises with the fix
+# -- hyperparameter rules: ``check`` returns the value (normalised) or raises naming it;
+# ``fix`` is the advice ``Optimizer._check_hyperparameters`` appends.
 @dataclass(frozen=True)
 class _Real:
     """A finite real number in [lo, hi), or [lo, hi] when ``closed``."""
@@ -56,16 +58,16 @@ class _Real:
     hi: float = math.inf
     closed: bool = False
 
-    def check(self, label: str, v, fix: str):
+    def check(self, label: str, v):
         # Not numbers.Real: a Fraction or Decimal would turn the update into object arrays.
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, _REALS):
+        if isinstance(v, bool) or not isinstance(v, _REALS):
             raise TypeError(f"invalid {label}: {v!r} has type {type(v).__name__}, not a real "
-                            f"number; {fix}.")
+                            f"number")
         inside = self.lo <= v <= self.hi if self.closed else self.lo <= v < self.hi
         if not (inside and _finite(v)):
             bound = (f"a finite number >= {self.lo:g}" if self.hi == math.inf else
                      f"in [{self.lo:g}, {self.hi:g}{']' if self.closed else ')'}")
-            raise ValueError(f"invalid {label}: {v!r} (must be {bound}); {fix}.")
+            raise ValueError(f"invalid {label}: {v!r} (must be {bound})")
         return v
 
     def fix(self, name: str) -> str:
@@ -78,14 +80,13 @@ class _Pair:
     item: _Real
     example: tuple
 
-    def check(self, name: str, v, fix: str):
+    def check(self, name: str, v):
         if not isinstance(v, (tuple, list)):
-            raise TypeError(f"invalid {name}: {v!r} has type {type(v).__name__}, not a pair; "
-                            f"{fix}.")
+            raise TypeError(f"invalid {name}: {v!r} has type {type(v).__name__}, not a pair")
         if len(v) != 2:
-            raise ValueError(f"invalid {name}: {v!r} has length {len(v)}, not 2; {fix}.")
+            raise ValueError(f"invalid {name}: {v!r} has length {len(v)}, not 2")
         for i, b in enumerate(v):
-            self.item.check(f"beta parameter at index {i} ({name}[{i}])", b, fix)
+            self.item.check(f"beta parameter at index {i} ({name}[{i}])", b)
         return v if isinstance(v, tuple) else tuple(v)
 
     def fix(self, name: str) -> str:
@@ -94,13 +95,10 @@ class _Pair:
 
 @dataclass(frozen=True)
 class _Flag:
-    example: bool = False
-
-    def check(self, name: str, v, fix: str):
+    def check(self, name: str, v):
         # A truthy non-bool (nesterov="False", nesterov=0.0) would switch the option silently.
         if not isinstance(v, (bool, np.bool_)):
-            raise TypeError(f"invalid {name}: {v!r} has type {type(v).__name__}, not a bool; "
-                            f"{fix}.")
+            raise TypeError(f"invalid {name}: {v!r} has type {type(v).__name__}, not a bool")
         return bool(v)
 
     def fix(self, name: str) -> str:
@@ -240,17 +238,20 @@ class Optimizer:
         """Check every hyperparameter of ``group`` against ``hyperparameters`` (normalising in
         place, e.g. betas to a tuple): the one check behind the constructor,
         ``add_param_group``, ``load_state_dict`` and ``step``."""
+        for name, rule in self.hyperparameters.items():
+            v = group.get(name, _MISSING)
+            try:
+                if v is _MISSING:
+                    raise ValueError(f"missing hyperparameter {name!r}")
+                checked = rule.check(name, v)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{where}: {e}; {rule.fix(name)}.") from None
+            if checked is not v:
+                group[name] = checked
         try:
-            for name, rule in self.hyperparameters.items():
-                if name not in group:
-                    raise ValueError(f"missing hyperparameter {name!r}; {rule.fix(name)}.")
-                v = group[name]
-                checked = rule.check(name, v, rule.fix(name))
-                if checked is not v:
-                    group[name] = checked
             self._check_relations(group)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{where}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     def _check_relations(self, group: dict) -> None:
         """Rules between hyperparameters (each alone already checked)."""
@@ -264,15 +265,24 @@ class Optimizer:
                     p.grad = p.grad * 0.0
 
     def step(self) -> None:
+        self._check_step()
+        with no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._update(p, p.grad, self.state.setdefault(p, {}), group)
+
+    def _check_step(self) -> None:
+        """What a step reads and the constructor could not check: hyperparameters assigned
+        since (a scheduler), gradients anyone may assign. A few comparisons per group and per
+        parameter, all before any update, so a bad value leaves every parameter as it was."""
         name = type(self).__name__
-        # Before any update, so a bad value leaves every parameter as it was. Hyperparameters
-        # are checked again here because a scheduler may have assigned them since (a few
-        # comparisons per group), gradients because anyone may assign p.grad.
         for gi, group in enumerate(self.param_groups):
             self._check_hyperparameters(group, f"{name}.step: param_groups[{gi}]")
-            for i, p in enumerate(group["params"]):
+            for p in group["params"]:
                 g = p.grad
                 if g is not None and getattr(g, "shape", None) != p.shape:
+                    i = next(i for i, q in enumerate(group["params"]) if q is p)
                     at = f"{name}.step: the gradient of param_groups[{gi}]['params'][{i}]"
                     if not hasattr(g, "shape"):
                         raise TypeError(f"{at} is {_show(g)} (type {type(g).__name__}), not a "
@@ -280,11 +290,6 @@ class Optimizer:
                     raise ValueError(f"{at} has shape {tuple(g.shape)}, the parameter "
                                      f"{tuple(p.shape)}; assign p.grad a tensor of the "
                                      f"parameter's shape.")
-        with no_grad():
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._update(p, p.grad, self.state.setdefault(p, {}), group)
 
     def _update(self, p, g, state: dict, group: dict) -> None:
         raise NotImplementedError
@@ -313,7 +318,8 @@ class Optimizer:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Take hyperparameters and per-parameter state from ``state_dict`` (as state_dict()).
+        """Take hyperparameters and a copy of the per-parameter state from ``state_dict`` (as
+        state_dict() returns it).
 
         Everything is checked before anything changes: the group count and sizes, each group's
         hyperparameters (as the constructor checks them) and each parameter's state (its keys,
@@ -366,19 +372,24 @@ class Optimizer:
                 raise ValueError(f"{at}: state has an entry for index {k!r}, which no param "
                                  f"group lists (indices {sorted(indices)}); pass the state "
                                  f"dict of an optimizer over the same parameters.")
-            new_state[indices[i]] = self._check_state(entry, indices[i], f"{at}: state[{k!r}]")
+            self._check_state(entry, indices[i], f"{at}: state[{k!r}]")
+            # A copy, as torch's deepcopy: the live dicts of another optimizer's state_dict()
+            # would otherwise be shared, and each step of one would move the other.
+            with no_grad():
+                new_state[indices[i]] = {n: v.detach() * 1.0 if isinstance(v, TensorMethods)
+                                         else v for n, v in entry.items()}
         for own, merged in zip(self.param_groups, new_groups):
             own.update(merged)
         self.state = new_state
 
-    def _check_state(self, entry, p, where: str):
-        """``entry`` if it is a full state for ``p``: no state at all (the parameter has not
-        stepped), or exactly ``state_tensors`` shaped like ``p`` plus an int step count."""
+    def _check_state(self, entry, p, where: str) -> None:
+        """Raise unless ``entry`` is a full state for ``p``: no state at all (the parameter has
+        not stepped), or exactly ``state_tensors`` shaped like ``p`` plus an int step count."""
         if not isinstance(entry, Mapping):
             raise TypeError(f"{where} must be a dict {{name: value}}, got {_show(entry)} (type "
                             f"{type(entry).__name__}).")
         if not entry:
-            return entry
+            return
         want = {*self.state_tensors, "step"} if self.state_tensors else set()
         if set(entry) != want:
             raise ValueError(f"{where}: {type(self).__name__} state for {_what(p)} holds keys "
@@ -404,7 +415,6 @@ class Optimizer:
                 raise ValueError(f"{where}[{name!r}] is {_what(v)}{got}, but its parameter is "
                                  f"{_what(p)}{layout}; pass the state of an optimizer over "
                                  f"the same parameters.")
-        return entry
 
 
 def _is_int(v) -> bool:

@@ -7,10 +7,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from dtensor.autograd import no_grad
-from dtensor.optim.optimizers import _show
+from dtensor.optim.optimizers import _REALS, _show
 from dtensor.tensor import TensorMethods, where
-
-_REALS = (int, float, np.integer, np.floating)
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float | str = 2.0,

@@ -23,7 +23,7 @@ from dtensor._flag import Flag
 from dtensor.mesh import DeviceMesh
 from dtensor.ops import registry, structural
 from dtensor.ops.registry import Aval, Op
-from dtensor.placements import Partial, Placement, Replicate, Shard
+from dtensor.placements import Partial, Placement, Replicate, Shard, as_placements
 from dtensor.redistribute import local_shape_and_offset, redistribute_local
 from dtensor.sharding import propagate
 from dtensor.tensor import Tensor, TensorMethods, _shape_arg, resolve_dtype
@@ -62,20 +62,6 @@ def _local_block(spec: DTensorSpec):
         blk = _BLOCKS[spec] = local_shape_and_offset(spec.shape, spec.placements, spec.mesh.shape,
                                                      spec.mesh.get_coordinate())
     return blk
-
-
-def _check_placements(mesh: DeviceMesh, placements, shape) -> tuple[Placement, ...]:
-    placements = tuple(placements)
-    if len(placements) != mesh.ndim:
-        raise ValueError(f"got {len(placements)} placements {list(placements)} for a "
-                         f"{mesh.ndim}-d mesh {mesh}; give exactly one per mesh dim.")
-    for p in placements:
-        if not isinstance(p, Placement):
-            raise TypeError(f"placements must be Shard(d), Replicate() or Partial(op), got {p!r}.")
-        if isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape):
-            raise ValueError(f"{p} is out of range for a tensor of shape {tuple(shape)} "
-                             f"({len(shape)} dims).")
-    return tuple(Shard(p.dim % len(shape)) if isinstance(p, Shard) else p for p in placements)
 
 
 class DTensor(TensorMethods):
@@ -160,7 +146,7 @@ class DTensor(TensorMethods):
 
         def check() -> DTensorSpec:
             nonlocal shape
-            ps = _check_placements(device_mesh, placements, arr.shape)
+            ps = as_placements(placements, device_mesh, arr.shape)
             if shape is None:
                 gshape = list(arr.shape)
                 for m, p in enumerate(ps):
@@ -214,7 +200,7 @@ class DTensor(TensorMethods):
                                       f"supported; the tensor lives on {self.device_mesh}.")
 
         def check() -> tuple[Placement, ...]:
-            ps = _check_placements(self.device_mesh, placements or self.placements, self.shape)
+            ps = as_placements(placements or self.placements, self.device_mesh, self.shape)
             for m, p in enumerate(ps):
                 if isinstance(p, Partial) and p != self.placements[m]:
                     raise ValueError(f"redistribute to {p} (mesh dim {m}) is not allowed: "
@@ -570,7 +556,7 @@ def distribute_tensor(tensor, device_mesh: DeviceMesh, placements: Sequence[Plac
     """
     t = tensor if isinstance(tensor, Tensor) else Tensor(tensor)
     placements = _agreed(device_mesh, "distribute_tensor",
-                         lambda: _check_placements(device_mesh, placements, t.shape),
+                         lambda: as_placements(placements, device_mesh, t.shape),
                          shape=tuple(t.shape), dtype=str(t.dtype), placements=placements,
                          src_data_rank=src_data_rank)
     return _distribute(t, device_mesh, placements, src_data_rank)
@@ -594,7 +580,7 @@ def _distribute(t: Tensor, device_mesh: DeviceMesh, placements: tuple[Placement,
 
 def _factory_spec(shape, dtype, device_mesh, placements):
     shape = _shape_arg(shape)
-    return DTensorSpec(device_mesh, _check_placements(device_mesh, placements, shape), shape,
+    return DTensorSpec(device_mesh, as_placements(placements, device_mesh, shape), shape,
                        np.dtype(np.float32) if dtype is None else resolve_dtype(dtype))
 
 

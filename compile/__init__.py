@@ -8,9 +8,9 @@ import importlib
 import sys
 import types
 
-from dtensor.compile.api import Compiled, TracingError, compile
+from dtensor.compile.api import Compiled, RecompileWarning, TracingError, compile
 
-__all__ = ["compile", "Compiled", "TracingError"]
+__all__ = ["compile", "Compiled", "TracingError", "RecompileWarning"]
 
 
 class _CallableModule(types.ModuleType):

@@ -27,16 +27,16 @@ import warnings
 
 import numpy as np
 
-from dtensor.compile import numpy_backend, passes
+from dtensor.compile import guards, numpy_backend, passes
 from dtensor.compile.trace import Traced, Tracer, TracingError
 
-__all__ = ["compile", "Compiled", "TracingError"]
+__all__ = ["compile", "Compiled", "TracingError", "RecompileWarning"]
 
 PASSES = (("shard_broadcasts", passes.shard_broadcasts), ("dce", passes.dce), ("cse", passes.cse),
           ("bucket_all_reduces", passes.bucket_all_reduces),
           ("fuse_pointwise", passes.fuse_pointwise), ("fuse_adamw", passes.fuse_adamw),
           ("plan_memory", passes.plan_memory))
-RECOMPILE_WARN = 4  # warn when one function has compiled this many times
+RECOMPILE_LIMIT = 8  # warn on every compile past this many of one function (as torch._dynamo)
 BACKENDS = ("numpy", "c", "triton")
 
 
@@ -128,8 +128,8 @@ def _sig(x):
     try:
         hash(x)
         return ("value", x)
-    except TypeError:
-        return ("object", id(x))
+    except TypeError:  # a container: its contents are guarded (guards.py)
+        return ("object", type(x).__name__)
 
 
 def _key(env: _Env, args, kwargs):
@@ -207,10 +207,11 @@ def _unflatten(tree, values):
 class _Entry:
     """One compiled graph: its generated code and how to feed and unpack it."""
 
-    def __init__(self, graph, run, path, tables, feeds, writebacks, tree, compile_s):
+    def __init__(self, graph, run, path, tables, feeds, writebacks, tree, compile_s, key, reads):
         self.graph, self.run_fn, self.path, self.tables = graph, run, path, tables
         self.feeds, self.writebacks, self.tree = feeds, writebacks, tree
         self.compile_s = compile_s
+        self.key, self.reads = key, reads  # reads: guards.explain's leaves, for messages
         self.buffers = None
 
     def __call__(self, args, kwargs):
@@ -256,10 +257,6 @@ def _trace(fn, env: _Env, args, kwargs):
                    for opt in env.optimizers}
     saved_grads = [(p, p.grad) for p in env.params]
     saved_stream = (random._seed, random._stream)
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    gvars = getattr(getattr(fn, "__func__", fn), "__globals__", {})
-    watched = {n: id(gvars.get(n)) for n in (code.co_names if code else ()) if n in gvars}
-
     def trace_arg(a, where):
         if isinstance(a, DTensor):
             tr = Traced(tracer.input(where, a._loc()).node)
@@ -291,13 +288,6 @@ def _trace(fn, env: _Env, args, kwargs):
             targs = [trace_arg(a, ("arg", i)) for i, a in enumerate(args)]
             tkwargs = {k: trace_arg(v, ("kwarg", k)) for k, v in kwargs.items()}
             result = fn(*targs, **tkwargs)
-            changed = [n for n, i in watched.items() if id(gvars.get(n)) != i]
-            if changed:
-                raise TracingError(
-                    f"dtensor.compile: {getattr(fn, '__name__', fn)!r} rebinds the global(s) "
-                    f"{changed} while it runs; a compiled function replays only its tensor "
-                    f"work, so that assignment would happen once, at trace time. Keep such "
-                    f"state outside the compiled function, or return it.")
             leaves = []
             tree = _flatten(result, leaves)
             outputs, writebacks = [], []
@@ -379,14 +369,21 @@ def _patched_slots(tracer: Tracer):
 
 # ----------------------------------------------------------------------------- compile
 
+class RecompileWarning(UserWarning):
+    """A compiled function compiled more than ``RECOMPILE_LIMIT`` times."""
+
+
 class Compiled:
     """A compiled function: call it as the original. ``.graphs`` holds the compiled graphs,
-    ``.compiles`` how many times it traced, ``.last`` the entry that ran last."""
+    ``.compiles`` how many times it traced, ``.last`` the entry that ran last.
+
+    A graph is looked up by the input signature (shapes, dtypes, placements, mesh) and by the
+    fingerprint of every other Python value the trace baked in (compile/guards.py): a changed
+    global, closure cell, module attribute or argument container recompiles."""
 
     def __init__(self, fn, backend: str = "numpy"):
         self.fn, self.backend = fn, backend
         self._cache: dict = {}
-        self._last_key = None
         self.compiles = 0
         self.last = None
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
@@ -398,26 +395,44 @@ class Compiled:
 
     def __call__(self, *args, **kwargs):
         env = _Env(self.fn)
-        key = _key(env, args, kwargs)
+        params = frozenset(map(id, env.params))
+        key = (_key(env, args, kwargs), guards.fingerprint(self.fn, args, kwargs, params))
         entry = self._cache.get(key)
         if entry is None:
-            if self._last_key is not None and self.compiles + 1 >= RECOMPILE_WARN:
+            reads = guards.explain(self.fn, args, kwargs, params)
+            if self.compiles >= RECOMPILE_LIMIT:
                 warnings.warn(f"dtensor.compile: {self.__name__!r} compiled "
-                              f"{self.compiles + 1} times; this time because "
-                              f"{_diff(self._last_key, key)}. Inputs whose shapes change on "
-                              f"every call recompile every call: pad them to fixed shapes.",
-                              stacklevel=2)
-            entry = self._cache[key] = self._compile(env, args, kwargs)
+                              f"{self.compiles + 1} times (more than RECOMPILE_LIMIT = "
+                              f"{RECOMPILE_LIMIT}); this time because "
+                              f"{self._why(key, reads)}. A value that changes on every call "
+                              f"recompiles on every call: pad changing shapes to fixed ones, and "
+                              f"pass a changing number as a tensor argument.",
+                              RecompileWarning, stacklevel=2)
+            entry = self._compile(env, args, kwargs, key, reads)
+            self._cache[key] = entry
         if self.last is not None and self.last is not entry:
             self.last.buffers = None  # another graph runs now; reallocated if it runs again
-        self._last_key = key
         self.last = entry
         return entry(args, kwargs)
 
-    def _compile(self, env, args, kwargs) -> _Entry:
+    def _why(self, key, reads) -> str:
+        last = self.last
+        if last.key[0] != key[0]:
+            return _diff(last.key[0], key[0])
+        return guards.first_change(last.reads, reads)
+
+    def _compile(self, env, args, kwargs, key, reads) -> _Entry:
         t0 = time.perf_counter()
         fn = self.fn
         graph, feeds, writebacks, tree = _trace(fn, env, args, kwargs)
+        params = frozenset(map(id, env.params))
+        if guards.fingerprint(fn, args, kwargs, params) != key[1]:
+            change = guards.first_change(reads, guards.explain(fn, args, kwargs, params))
+            raise TracingError(
+                f"dtensor.compile: {self.__name__!r} changes a value it reads while it runs: "
+                f"{change}. A compiled function replays only its tensor work, so that change "
+                f"would happen once, at trace time. Keep such state outside the compiled "
+                f"function, or return it.")
         debug = _debug_level() >= 2 and _rank0()
         if debug:
             print(f"[dtensor.compile] {self.__name__}: traced\n{graph}", flush=True)
@@ -438,7 +453,7 @@ class Compiled:
             print(f"[dtensor.compile] generated {path}\n{source}", flush=True)
         self.compiles += 1
         return _Entry(graph, run, path, tables, feeds, writebacks, tree,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, key, reads)
 
 
 def compile(fn=None, *, backend: str = "numpy"):

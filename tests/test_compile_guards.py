@@ -131,13 +131,17 @@ def list_argument(model, out, x, mp):
             lambda: gains.__setitem__(1, 5.0))
 
 
+def python_module_attribute(model, out, x, mp):  # as `import config; config.SCALE`
+    return (lambda x: out(model, x) * THIS.SCALE), (x,), lambda: mp.setattr(THIS, "SCALE", 3.0)
+
+
 def object_attribute(model, out, x, mp):
     return ((lambda x: out(model, x) * KNOBS.mult), (x,),
             lambda: mp.setattr(KNOBS, "mult", 6.0))
 
 
 CASES = [global_scalar, global_dict, closure_cell, module_attribute, nested_attribute,
-         dict_argument, list_argument, object_attribute]
+         dict_argument, list_argument, python_module_attribute, object_attribute]
 
 
 def values(fn, args):
@@ -269,3 +273,27 @@ def test_numpy_conversion_of_a_traced_tensor_names_the_line(convert, line):
                        match=r"converting a tensor to numpy.*test_compile_guards\.py:\d+: "
                              r"return " + line):
         dtensor.compile(convert)(dtensor.ones(3))
+
+
+@pytest.mark.ranks(2, timeout=300)
+def test_a_parallelized_model_recompiles_on_every_rank(rank):
+    """Tensor-parallel GPT (DTensor parameters, the styles' hooks): a changed global recompiles
+    on both ranks, the result matches eager, and the hooks and mesh cause no recompile."""
+    from dtensor.parallel import parallelize
+    model, out, x = make("gpt")
+    parallelize(model, dtensor.init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp")))
+
+    def step(x):
+        return out(model, x) * SCALE
+
+    def full(t):
+        return t.full_tensor().numpy() if hasattr(t, "full_tensor") else t.numpy()
+
+    global SCALE  # (this body runs on the ranks: it and step share one copy of the globals)
+    compiled = dtensor.compile(step)
+    try:
+        for SCALE, compiles in ((2.0, 1), (2.0, 1), (5.0, 2)):
+            np.testing.assert_allclose(full(compiled(x)), full(step(x)), rtol=1e-6, atol=1e-7)
+            assert compiled.compiles == compiles
+    finally:
+        SCALE = 2.0  # the ranks run later tests too

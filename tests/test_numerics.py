@@ -138,13 +138,23 @@ def test_float16_sum_past_its_range_is_inf_silently():
     assert x.mean().numpy() == 1000.0
 
 
-def test_float16_mean_on_a_sharded_dtensor():
-    """Mean of a sharded float16 DTensor: partial sums divided in float32 before the float16
-    all-reduce, so no partial overflows (world of one: the rules and the cast order run)."""
-    mesh = dtensor.init_device_mesh("cpu", (1,))
-    x = np.full((100_000,), 1000.0, np.float16)
-    d = dtensor.distribute_tensor(x, mesh, [Shard(0)])
-    assert d.mean().full_tensor().numpy() == 1000.0
+@pytest.mark.ranks(2, timeout=120)
+def test_float16_reductions_of_a_sharded_dtensor(rank):
+    """Over 2 ranks, a float16 reduction of a sharded dim is a Partial whose per-rank sums are
+    rounded to float16 and all-reduced in float16 (as PyTorch's DTensor): mean and var divide in
+    float32 first, so their partials stay in range, and the result is within 1 ulp as in one
+    process; sum adds one more rounding (so 1.5 ulps)."""
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    for name, dim, bound in (("mean-100000x1000", 0, 1.0), ("mean-rows", 1, 1.0),
+                             ("var-100000", 0, 1.0), ("var-wide", 1, 1.0),
+                             ("sum-down-columns", 0, 1.5), ("sum-all", 0, 1.5)):
+        _, x, fn, ref = next(c for c in CASES if c[0] == name)
+        x16 = x.astype(np.float16)
+        d = dtensor.distribute_tensor(x16, mesh, [Shard(dim)])  # the reduced dim
+        got = fn(d).full_tensor().numpy()
+        want = np.asarray(ref(x16.astype(np.float64)))
+        assert got.dtype == np.float16
+        assert ulps(got, want).max() <= bound, (name, ulps(got, want).max())
 
 
 # ----------------------------------------------------------------------------- index checks
@@ -192,15 +202,21 @@ def test_ignore_index_and_plain_indexing_are_unchanged():
     assert t[-1, -1].item() == 5.0  # basic indexing keeps numpy's negative indices
 
 
-@pytest.mark.parametrize("call", [
-    lambda w, i: st.index_select(w, i),
-    lambda w, i: st.index_add(Tensor(np.ones(i.shape + (4,), np.float32)), i, w),
-], ids=["index_select", "index_add"])
+@pytest.mark.parametrize("call,unit", [
+    (lambda w, i: st.index_select(w, i), "rows"),
+    (lambda w, i: st.index_add(Tensor(np.ones(i.shape + (4,), np.float32)), i, w), "rows"),
+    (lambda w, i: st.gather(w.mT, Tensor(np.tile(i.numpy(), (4, 1))), axis=1),
+     "entries along dim 1"),
+    (lambda w, i: st.scatter_add(Tensor(np.ones((4, 3), np.float32)),
+                                 Tensor(np.tile(i.numpy(), (4, 1))), w.mT, axis=1),
+     "entries along dim 1"),
+], ids=["index_select", "index_add", "gather", "scatter_add"])
 @pytest.mark.parametrize("bad", BAD)
-def test_lookup_ops_reject_bad_rows(call, bad):
-    """The ops themselves (the compiled step and direct callers reach these, not F.embedding)."""
+def test_lookup_ops_reject_bad_rows(call, unit, bad):
+    """The ops themselves (the compiled step and direct callers reach these, not F.embedding;
+    gather picks the target's logit under loss_parallel)."""
     w = Tensor(np.ones((V, 4), np.float32))
-    with pytest.raises(IndexError, match=rf"index {bad} is out of range for {V} rows"):
+    with pytest.raises(IndexError, match=rf"index {bad} is out of range for {V} {unit}"):
         call(w, Tensor(np.array([1, bad, 2])))
 
 

@@ -280,8 +280,20 @@ def _gather_abstract(x, idx, axis):
     return Aval(tuple(idx.shape), x.dtype)
 
 
+def check_along(idx, size: int, axis: int, what: str) -> None:
+    """Each of ``idx`` names one of ``size`` entries along ``axis`` (torch.gather's rule: a
+    negative index is an error here too)."""
+    check_rows(idx, size, f"{what}: index", f"entries along dim {axis}",
+               f"Fix the indices (each picks an entry along dim {axis}).")
+
+
+def _gather_impl(x, idx, axis):
+    check_along(idx, x.shape[axis], axis, "gather")
+    return np.take_along_axis(x, idx, axis=axis)
+
+
 gather = defop(
-    "gather", impl=lambda x, idx, axis: np.take_along_axis(x, idx, axis=axis),
+    "gather", impl=_gather_impl,
     abstract=_gather_abstract,
     vjp=lambda g, out, x, idx, axis: (scatter_add(g, idx, x, axis=axis), None),
     linearity="all", shard="gather", lower="extern:gather", nondiff=(1,))
@@ -303,9 +315,13 @@ def scatter_add_along(g, idx, axis, size):
 
 # The vjp of gather: ``g`` summed into position ``idx`` along ``axis`` of zeros shaped like
 # ``like`` (the forward's input; a template, as index_add's).
+def _scatter_add_impl(g, idx, like, axis):
+    check_along(idx, like.shape[axis], axis, "scatter_add")
+    return scatter_add_along(g, idx, axis, like.shape[axis])
+
+
 scatter_add = defop(
-    "scatter_add", impl=lambda g, idx, like, axis: scatter_add_along(g, idx, axis,
-                                                                     like.shape[axis]),
+    "scatter_add", impl=_scatter_add_impl,
     abstract=lambda g, idx, like, axis: Aval(
         tuple(like.shape[axis] if d == axis % len(g.shape) else n
               for d, n in enumerate(g.shape)), g.dtype),

@@ -257,6 +257,7 @@ def _trace(fn, env: _Env, args, kwargs):
                    for opt in env.optimizers}
     saved_grads = [(p, p.grad) for p in env.params]
     saved_stream = (random._seed, random._stream)
+
     def trace_arg(a, where):
         if isinstance(a, DTensor):
             tr = Traced(tracer.input(where, a._loc()).node)

@@ -396,6 +396,8 @@ class Compiled:
 
     def __call__(self, *args, **kwargs):
         env = _Env(self.fn)
+        for opt in env.optimizers:  # what eager step() checks (a scheduler's lr) on every call
+            opt._check_step()
         params = frozenset(map(id, env.params))
         key = (_key(env, args, kwargs), guards.fingerprint(self.fn, args, kwargs, params))
         entry = self._cache.get(key)

@@ -196,6 +196,26 @@ def test_a_learning_rate_schedule_and_parameter_updates_do_not_recompile(kind):
         np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def test_a_bad_learning_rate_set_between_compiled_steps_raises_as_in_eager():
+    model, out, x = make("mlp")
+    opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x):
+        loss = (out(model, x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    run = dtensor.compile(step)
+    run(x)
+    before = [p.numpy().copy() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = -0.5
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: invalid lr: -0\.5"):
+        run(x)
+    for p, b in zip(model.parameters(), before):  # nothing ran
+        np.testing.assert_array_equal(p.numpy(), b)
+
+
 def test_toggling_back_reuses_the_first_graph(monkeypatch):
     model, out, x = make("mlp")
     compiled = dtensor.compile(lambda x: out(model, x) * SCALE)

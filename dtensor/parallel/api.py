@@ -8,7 +8,8 @@ from fnmatch import fnmatchcase
 
 import numpy as np
 
-from dtensor.dtensor import DTensor, distribute_tensor, implicit_replication
+# _redistribute: FSDP's gathers are layouts the framework derived itself (no agreement check).
+from dtensor.dtensor import DTensor, _redistribute, distribute_tensor, implicit_replication
 from dtensor.mesh import DeviceMesh
 from dtensor.nn.module import Module
 from dtensor.parallel.loss import loss_parallel as _loss_parallel
@@ -218,7 +219,7 @@ def _shard_params_fsdp(model: Module, mesh: DeviceMesh, dp: int, tp: int | None)
             for n, p in stored.items():
                 gathered = list(p.placements)
                 gathered[dp] = Replicate()
-                _m._parameters[n] = p.redistribute(placements=gathered)
+                _m._parameters[n] = _redistribute(p, gathered, boundary=True)
             try:
                 return inner(*args, **kwargs)
             finally:

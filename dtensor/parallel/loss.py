@@ -15,7 +15,7 @@ from __future__ import annotations
 
 
 from dtensor._flag import Flag
-from dtensor.dtensor import DTensor, distribute_tensor
+from dtensor.dtensor import DTensor, _redistribute, distribute_tensor
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
 from dtensor.placements import Partial, Replicate, Shard
@@ -61,6 +61,6 @@ def vocab_parallel_nll(x: DTensor, target: DTensor, valid: DTensor):
     # All-reduce 3: the target's logit lives on one rank. Reducing it here keeps the loss
     # per token whole (reduction="none" gives real values) and the backward free of
     # communication: the gradient of a redistribute from Partial passes through as it is.
-    picked = picked.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
-                                             for p in picked.placements])
+    picked = _redistribute(picked, [Replicate() if isinstance(p, Partial) else p
+                                    for p in picked.placements], boundary=True)
     return pw.where(valid, lse - picked, 0.0)

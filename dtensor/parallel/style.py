@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dtensor.dtensor import DTensor, distribute_tensor
+# _redistribute: layouts the framework derived itself, so the public method's cross-rank
+# agreement (a collective per call) would only add a sync point per layer.
+from dtensor.dtensor import DTensor, _redistribute, distribute_tensor
 from dtensor.nn.layers import Embedding, Linear
 from dtensor.nn.module import Module, Parameter
 from dtensor.placements import Placement, Replicate, Shard
@@ -87,7 +89,7 @@ def to_layout(x, mesh, tp: int, src: Placement | None, dst: Placement | None, *,
         return x
     target = _with(x.placements, tp, dst, x.ndim)
     if target != x.placements or boundary:
-        x = x.redistribute(placements=target)
+        x = _redistribute(x, target, boundary=True)
     return x
 
 

@@ -717,8 +717,8 @@ class _IndexAdd:
         self.argtypes = [_P] * 3 + [_I] * 6
 
     def __call__(self, g, idx, like, out=None):
-        from dtensor.ops.structural import wrap_rows
-        flat = np.ascontiguousarray(wrap_rows(idx, self.total_rows), dtype=np.int64)
+        from dtensor.ops.structural import check_rows
+        flat = np.ascontiguousarray(check_rows(idx, self.total_rows), dtype=np.int64)
         g = np.ascontiguousarray(g, dtype=self.dtype)
         out = np.empty(self.shape, self.dtype) if out is None else out
         n = min(num_threads(), -(-self.C // 8)) if flat.size * self.C >= _SPLIT_ELEMENTS else 1

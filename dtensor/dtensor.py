@@ -467,11 +467,11 @@ def _rows(spec: DTensorSpec, axis: int):
 def _index_select_local(w, idx, *, in_specs, out_spec):
     off, n = _rows(in_specs[0], 0)
     if n == in_specs[0].shape[0]:
-        return np.take(w, idx, axis=0)
+        return structural.index_select.impl(w, idx)
     if n == 0:  # an empty trailing shard holds none of the rows
         return np.zeros(_local_block(out_spec)[0], w.dtype)
     # vocab-parallel lookup: rows outside this block contribute zeros (Partial)
-    rel = structural.wrap_rows(idx, in_specs[0].shape[0]).reshape(np.shape(idx)) - off
+    rel = structural.check_rows(idx, in_specs[0].shape[0]).reshape(np.shape(idx)) - off
     hit = (rel >= 0) & (rel < n)
     out = np.take(w, np.where(hit, rel, 0), axis=0)
     out *= hit.reshape(hit.shape + (1,) * (w.ndim - 1))
@@ -483,13 +483,15 @@ def _index_add_local(g, idx, like, *, in_specs, out_spec):
     if n == 0:
         return np.zeros(_local_block(out_spec)[0], g.dtype)
     # vocab-parallel gradient: only the rows this rank holds
-    rel = structural.wrap_rows(idx, out_spec.shape[0]).reshape(np.shape(idx)) - off
+    rel = structural.check_rows(idx, out_spec.shape[0]).reshape(np.shape(idx)) - off
     hit = (rel >= 0) & (rel < n)
     rows = g.reshape((idx.size,) + g.shape[idx.ndim:])[hit.reshape(-1)]
     return structural.index_add_rows(rows, rel[hit], n)
 
 
 def _gather_local(x, idx, axis, *, in_specs, out_spec):
+    # Against the global size: under loss_parallel an index no block holds would give 0.
+    structural.check_along(idx, in_specs[0].shape[axis], axis, "gather")
     off, n = _rows(in_specs[0], axis)
     if n == in_specs[0].shape[axis]:
         return np.take_along_axis(x, idx, axis=axis)

@@ -423,7 +423,9 @@ class Tensor(TensorMethods):
         return self.data.tolist()
 
     def __array__(self, dtype=None, copy=None):
-        return self.data if dtype is None else self.data.astype(dtype)
+        # Traced data raises here (np.asarray of a tracer is a TracingError naming the line).
+        return np.array(self.data, dtype=dtype, copy=True) if copy else np.asarray(self.data,
+                                                                                    dtype=dtype)
 
     def __float__(self) -> float:
         return float(self.data)
@@ -459,9 +461,12 @@ class Tensor(TensorMethods):
 
         The optimizers' update path; the tracer records it as a write-back.
         """
-        if type(self.data) is np.ndarray and type(new.data) is not np.ndarray:
+        data = new.data
+        if isinstance(data, np.generic):  # a 0-d result: numpy gives a scalar, not a tracer
+            data = np.asarray(data)
+        elif type(self.data) is np.ndarray and type(data) is not np.ndarray:
             _untraced_update(self)
-        self.data = new.data.astype(self.data.dtype, copy=False)
+        self.data = data.astype(self.data.dtype, copy=False)
 
     def _as_grad_of(self, leaf) -> "Tensor":
         return self
@@ -483,9 +488,13 @@ class Tensor(TensorMethods):
         return self
 
     def normal_(self, mean: float = 0.0, std: float = 1.0) -> "Tensor":
+        mean = as_real(mean, "normal_: mean")
+        std = as_real(std, "normal_: std", low=0, fix="std is a standard deviation.")
         return self.copy_(randn(*self.shape, dtype=self.dtype) * std + mean)
 
     def uniform_(self, a: float = 0.0, b: float = 1.0) -> "Tensor":
+        a = as_real(a, "uniform_: a")
+        b = as_real(b, "uniform_: b", low=a, fix="The range [a, b) needs a <= b.")
         return self.copy_(rand(*self.shape, dtype=self.dtype) * (b - a) + a)
 
     def fill_(self, value) -> "Tensor":

@@ -212,12 +212,11 @@ def test_adamw_group_equals_numpy_bit_for_bit(dtype, sizes):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_embedding_gradient_sums_repeated_rows_as_numpy(dtype):
     """index_add in C: rows of repeated indices summed (in order of occurrence; numpy's
-    reduceat associates them pairwise, so to float rounding), a negative index counted from
-    the end as the lookup's np.take counts it, rows no index names zero; an index out of range
-    is numpy's IndexError."""
+    reduceat associates them pairwise, so to float rounding), rows no index names zero; an index
+    outside [0, rows), a negative one included, is the lookup's IndexError."""
     rng = np.random.default_rng(8)
     w = rng.standard_normal((50, 24)).astype(dtype)
-    idx = np.concatenate([rng.integers(0, 50, (40, 30)).reshape(-1)[:1199], [-1]]).reshape(40, 30)
+    idx = np.concatenate([rng.integers(0, 50, (40, 30)).reshape(-1)[:1199], [49]]).reshape(40, 30)
     g = rng.standard_normal((40, 30, 24)).astype(dtype)
 
     def f(t):
@@ -232,13 +231,14 @@ def test_embedding_gradient_sums_repeated_rows_as_numpy(dtype):
     rtol, atol = (1e-6, 1e-5) if dtype == np.float32 else (1e-14, 1e-13)
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
     by_row = np.zeros_like(want)  # the definition, row by row
-    for i, r in enumerate(idx.reshape(-1) % 50):
+    for i, r in enumerate(idx.reshape(-1)):
         by_row[r] += g.reshape(-1, 24)[i]
     np.testing.assert_allclose(want, by_row, rtol=rtol, atol=atol)
-    assert not np.any(want[np.setdiff1d(np.arange(50), idx % 50)])
+    assert not np.any(want[np.setdiff1d(np.arange(50), idx)])
     kernel = next(k for k in kernels if k.name == "index_add").fn
-    with pytest.raises(IndexError, match="50 is out of bounds"):
-        kernel(g, np.where(idx == idx[0, 0], 50, idx), w)
+    for bad in (50, -1):
+        with pytest.raises(IndexError, match=rf"index {bad} is out of range for 50 rows"):
+            kernel(g, np.where(idx == idx[0, 0], bad, idx), w)
 
 
 def test_kernels_split_from_several_threads_at_once(monkeypatch):

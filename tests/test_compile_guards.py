@@ -280,11 +280,7 @@ def as_array_of_the_tensor(t):
 
 NUMPY = [pytest.param(as_array, r"np\.asarray\(\(t \* 2\)\.data\) \+ 1", id="asarray"),
          pytest.param(array_copy, r"np\.array\(t\.data, dtype=np\.float64\)", id="array"),
-         pytest.param(as_array_of_the_tensor, r"np\.asarray\(t \* 2\)", id="tensor",
-                      marks=pytest.mark.xfail(
-                          strict=True, raises=ValueError,
-                          reason="needs Tensor.__array__ to return np.asarray(self.data, dtype) "
-                                 "(dtensor/tensor.py), so the tracer's __array__ is reached"))]
+         pytest.param(as_array_of_the_tensor, r"np\.asarray\(t \* 2\)", id="tensor")]
 
 
 @pytest.mark.parametrize("convert,line", NUMPY)

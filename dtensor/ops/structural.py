@@ -201,8 +201,8 @@ def check_rows(idx, num: int, what: str = "index", unit: str = "rows",
 
     A negative entry is an error, as in PyTorch's embedding, index_select and cross_entropy,
     not counted from the end as numpy's take would: a token id of -1 is a bug upstream, not
-    the last row. The embedding lookup and its gradient (eager, DTensor and compiled: through
-    ``wrap_rows``), cross-entropy's targets and the vocab-parallel kernels all check here, so
+    the last row. The embedding lookup and its gradient (eager, DTensor and compiled),
+    cross-entropy's targets and the vocab-parallel kernels all check here, so
     the error reads the same on every path; the vocab-parallel kernels pass the global row
     count, so every rank checks against the whole vocabulary, not its block.
     """
@@ -223,10 +223,6 @@ def check_rows(idx, num: int, what: str = "index", unit: str = "rows",
                      f"{pos}{others}): each must lie in [0, {num}){skip}; a negative one is "
                      f"an error, not counted from the end. {fix}")
 
-
-# The lookup's and its gradient's rows (dtensor.py's vocab-parallel kernels and the C backend's
-# index_add call it by this name).
-wrap_rows = check_rows
 
 index_select = defop(
     "index_select",

@@ -214,6 +214,7 @@ def _table_cases():
     """Each helper's table: wrong values x the entry points that must call the helper."""
     import dtensor
     import dtensor.nn as nn
+    import dtensor.nn.functional as F
     from dtensor import Partial, Replicate, Shard
     from dtensor.mesh import DeviceMesh, init_device_mesh
     from dtensor.nn import GPT, GPTConfig, Embedding, LayerNorm, Linear
@@ -269,6 +270,8 @@ def _table_cases():
         ("split", lambda d: x.split(1, d), "dim"),
         ("chunk", lambda d: x.chunk(2, d), "dim"),
         ("cat", lambda d: dtensor.cat([x, x], d), "dim"),
+        ("softmax", lambda d: F.softmax(x, d), "dim"),
+        ("log_softmax", lambda d: F.log_softmax(x, d), "dim"),
     ]
     for entry, call, what in dim_entries:
         for d in BAD_DIMS:
@@ -291,6 +294,7 @@ def _table_cases():
         ("DTensor zeros", lambda s: dtensor.zeros(*s, device_mesh=mesh,
                                                    placements=[Replicate()])),
         ("LayerNorm", lambda s: LayerNorm(s)),
+        ("layer_norm", lambda s: F.layer_norm(x, s)),
     ]
     for entry, call in shape_entries:
         for shape, exc, pattern in BAD_SHAPES:
@@ -338,6 +342,7 @@ def _table_cases():
     # as_real: probabilities and epsilons
     real_entries = [
         ("Dropout", lambda v: nn.Dropout(v), "Dropout probability"),
+        ("dropout", lambda v: F.dropout(x, v), "dropout probability"),
         ("GPTConfig dropout", lambda v: GPTConfig(**{**small, "dropout": v}),
          "GPTConfig: dropout"),
     ]
@@ -418,6 +423,7 @@ def _unclear_cases():
     iterable', 'tuple index out of range', KeyError) and now name the value and the fix."""
     import dtensor
     import dtensor.nn as nn
+    import dtensor.nn.functional as F
     from dtensor.nn import GPT, GPTConfig, Linear
     from dtensor.mesh import init_device_mesh
     from dtensor.parallel import ColwiseParallel, parallelize, parallelize_module
@@ -430,6 +436,8 @@ def _unclear_cases():
         ("matmul 0-d left", lambda: s @ x, ValueError, r"\(\) @ \(2, 3, 4\).*`\*`"),
         ("matmul 0-d right", lambda: x @ s, ValueError, r"\(2, 3, 4\) @ \(\)"),
         ("cat 0-d", lambda: dtensor.cat([s, s]), ValueError, r"0-d tensors.*\[\(\), \(\)\]"),
+        ("linear 0-d", lambda: F.linear(s, dtensor.randn(2, 1)), ValueError,
+         r"linear: the input needs a features dim, got a 0-d tensor"),
         ("cat a tensor", lambda: dtensor.cat(x), TypeError, r"list or tuple of tensors, got a "
                                                              r"Tensor"),
         ("arange step 0", lambda: dtensor.arange(0, 5, 0), ValueError,

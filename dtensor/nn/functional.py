@@ -14,6 +14,7 @@ from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
 from dtensor.tensor import as_tensor
+from dtensor.validate import as_dim, as_int, as_real, as_shape
 
 __all__ = ["relu", "gelu", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm", "dropout",
            "embedding", "linear", "cross_entropy", "scaled_dot_product_attention"]
@@ -35,7 +36,9 @@ def silu(x):
 
 def _over_last_dim(op, x, dim, **params):
     """Apply a last-dim op along ``dim`` by moving that dim last and back."""
-    dim %= x.ndim
+    dim = as_dim(dim, tuple(x.shape), op=op.name, ndim=max(x.ndim, 1))
+    if x.ndim == 0:  # a 0-d tensor is a row of one (softmax 1, log_softmax 0, as PyTorch)
+        return op(x.reshape(1), **params).reshape(())
     if dim == x.ndim - 1:
         return op(x, **params)
     return op(x.transpose(dim, -1), **params).transpose(dim, -1)
@@ -50,7 +53,9 @@ def log_softmax(x, dim: int = -1):
 
 
 def _check_norm_shape(x, normalized_shape, name):
-    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    what = f"{name}: normalized_shape"
+    ns = (as_shape(normalized_shape, what) if isinstance(normalized_shape, (tuple, list))
+          else (as_int(normalized_shape, what, low=0),))
     if tuple(x.shape[-len(ns):]) != ns:
         raise ValueError(f"{name}: normalized_shape {ns} does not match the trailing dims of the "
                          f"input shape {tuple(x.shape)}.")
@@ -86,8 +91,7 @@ def dropout(x, p: float = 0.5, training: bool = True):
     The mask of element i is a pure function of (seed, call, i) (counter-based Philox), so it is
     the same for every sharding of ``x`` and for compiled code.
     """
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1], got {p}.")
+    p = as_real(p, "dropout probability", low=0, high=1)
     if not training or p == 0.0:
         return x
     if p == 1.0:
@@ -128,6 +132,9 @@ def linear(x, weight, bias=None):
     Leading dims are flattened first so the product is one GEMM (and so is the weight gradient,
     instead of a batched product summed afterwards).
     """
+    if x.ndim == 0:
+        raise ValueError("linear: the input needs a features dim, got a 0-d tensor; reshape it "
+                         "to (1,) first.")
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features (shape {tuple(x.shape)}) but "
                          f"the weight expects {weight.shape[-1]} (weight shape "

@@ -199,3 +199,16 @@ def test_per_test_overhead_is_small(pytester: pytest.Pytester) -> None:
     print(f"multi-rank test overhead after warm-up: {per_test * 1e3:.1f} ms per 2-rank test "
           f"(pool start-up {calls.get('test_t0', float('nan')):.2f} s)")
     assert per_test < 0.25, calls
+
+
+@pytest.mark.ranks(2)
+def test_monkeypatch_on_a_rank_is_undone_when_the_body_ends(rank, monkeypatch):
+    import os
+    monkeypatch.setenv("DTENSOR_PLUGIN_PROBE", str(rank))
+    assert os.environ["DTENSOR_PLUGIN_PROBE"] == str(rank)
+
+
+@pytest.mark.ranks(2)
+def test_the_previous_tests_monkeypatch_did_not_leak(rank):
+    import os
+    assert "DTENSOR_PLUGIN_PROBE" not in os.environ

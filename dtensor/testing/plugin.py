@@ -12,9 +12,10 @@ it and reused by the next ones (start-up is what costs; a warm run is millisecon
 function travels by value (cloudpickle, the test module registered for pickling by value), so the
 ranks never import the test module, and pytest's assertion rewriting comes along with it.
 
-Fixtures: ``rank``, ``world_size``, ``comm`` (``dtensor.comm.get_world()``) and ``capsys`` (that
-rank's sys.stdout/sys.stderr, with pytest's ``readouterr()``) are evaluated on each rank; every
-other fixture the test asks for is evaluated here and pickled over (tmp_path, ...).
+Fixtures: ``rank``, ``world_size``, ``comm`` (``dtensor.comm.get_world()``), ``capsys`` (that
+rank's sys.stdout/sys.stderr, with pytest's ``readouterr()``) and ``monkeypatch`` (undone on the
+rank when the body ends) are evaluated on each rank; every other fixture the test asks for is
+evaluated here and pickled over (tmp_path, ...).
 
 Failures: any rank raising fails the test, naming the first failing rank and showing its
 traceback; a test still running after its timeout (marker ``timeout=``, else the ini option
@@ -36,7 +37,7 @@ import pytest
 if TYPE_CHECKING:
     from dtensor.launcher.pool import RankPool
 
-RANK_SIDE_FIXTURES = ("rank", "world_size", "comm", "capsys")
+RANK_SIDE_FIXTURES = ("rank", "world_size", "comm", "capsys", "monkeypatch")
 DEFAULT_TIMEOUT = 60.0
 _POOLS = pytest.StashKey[dict[int, "RankPool"]]()
 
@@ -114,7 +115,10 @@ def run_test_body(fn: Any, parent_args: dict[str, Any], rank_side: list[str]) ->
         from mpi4py import MPI
 
         world = MPI.COMM_WORLD
-        makers = {"rank": world.Get_rank, "world_size": world.Get_size, "capsys": _RankCapsys}
+        # monkeypatch is made here and undone after the body: the pooled ranks outlive the
+        # test, and one made in the pytest process would undo its changes there, not here.
+        makers = {"rank": world.Get_rank, "world_size": world.Get_size, "capsys": _RankCapsys,
+                  "monkeypatch": pytest.MonkeyPatch}
         for name in rank_side:
             if name == "comm":
                 from dtensor.comm import get_world
@@ -123,8 +127,13 @@ def run_test_body(fn: Any, parent_args: dict[str, Any], rank_side: list[str]) ->
             else:
                 kwargs[name] = makers[name]()
     capture = kwargs.get("capsys")
-    with capture if isinstance(capture, _RankCapsys) else contextlib.nullcontext():
-        fn(**kwargs)
+    patch = kwargs.get("monkeypatch")
+    try:
+        with capture if isinstance(capture, _RankCapsys) else contextlib.nullcontext():
+            fn(**kwargs)
+    finally:
+        if isinstance(patch, pytest.MonkeyPatch):
+            patch.undo()
 
 
 class _Tee(io.TextIOBase):
@@ -241,9 +250,9 @@ def _unpicklable_fixture(parent_args: dict[str, Any]) -> str | None:
             cloudpickle.dumps(value)
         except Exception as exc:  # noqa: BLE001  (any pickling failure: name the fixture)
             return (f"fixture {name!r} ({type(value).__name__}) cannot be sent to the ranks: "
-                    f"{exc}. Fixtures other than rank, world_size, comm and capsys are made in the "
-                    "pytest process and pickled over; use a picklable one, or build the object "
-                    "inside the test body")
+                    f"{exc}. Fixtures other than rank, world_size, comm, capsys and monkeypatch "
+                    "are made in the pytest process and pickled over; use a picklable one, or "
+                    "build the object inside the test body")
     return None
 
 

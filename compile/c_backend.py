@@ -430,8 +430,11 @@ def build(source: str) -> ctypes.CDLL:
     cc = _compiler()
     path = _library_stem(source, cc)
     lib = path + ".so"
-    so = cache.read_or_none(lib)
-    if so is None or cache.read_or_none(lib + ".sha256") != _digest(so):
+    loaded = _LOADED.get(lib)
+    if loaded is not None:
+        return loaded
+    opened = _open_checked(lib)
+    if opened is None:
         # Every file this process writes is its own until renamed into place (atomically):
         # ranks building the same library at once never read each other's half-written files.
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -456,7 +459,41 @@ def build(source: str) -> ctypes.CDLL:
             for leftover in (tmp + ".c", tmp + ".so"):
                 if os.path.exists(leftover):
                     os.unlink(leftover)
-    return ctypes.CDLL(lib)
+        opened = _open_checked(lib)
+        if opened is None:
+            raise cache.CacheDirError(f"dtensor.compile(backend='c'): the library just built "
+                                      f"at {lib} changed before it could be loaded; check who "
+                                      f"else writes to {os.path.dirname(lib)}.")
+    # Loaded through the descriptor the bytes were checked from: a name swapped after the
+    # check cannot change what runs. The descriptor stays open for the process's life, as the
+    # library does: dlopen knows a library by the name it was given, and a closed descriptor's
+    # number (hence /proc/self/fd/N) would be reused for the next one.
+    proc = f"/proc/self/fd/{opened}"
+    if os.path.exists(proc):
+        _LOADED[lib] = ctypes.CDLL(proc)
+    else:  # no /proc (not Linux): by name, right after the check
+        os.close(opened)
+        _LOADED[lib] = ctypes.CDLL(lib)
+    return _LOADED[lib]
+
+
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
+def _open_checked(lib: str) -> int | None:
+    """A descriptor on ``lib`` if it is a private regular file whose bytes match the SHA-256
+    kept beside it, else None (closed)."""
+    so = cache.open_private(lib)
+    if so is None:
+        return None
+    fd, data = so
+    digest = cache.open_private(lib + ".sha256")
+    if digest is not None:
+        os.close(digest[0])
+    if digest is None or digest[1] != _digest(data):
+        os.close(fd)
+        return None
+    return fd
 
 
 def _digest(data: bytes) -> bytes:

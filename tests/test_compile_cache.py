@@ -176,3 +176,129 @@ def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path, name, corrup
     assert c_backend.build(source).dt_answer() == answer
     with open(stem + ".so", "rb") as so, open(stem + ".so.sha256", "rb") as digest:
         assert c_backend._digest(so.read()) == digest.read()
+
+
+def _parent_foreign_0777(base):
+    p = base / "shared"
+    p.mkdir()
+    os.chmod(p, 0o777)
+    os.chown(p, OTHER_UID, OTHER_UID)
+    return p / "cache", p
+
+
+def _parent_ours_0777(base):
+    p = base / "shared"
+    p.mkdir()
+    os.chmod(p, 0o777)
+    return p / "cache", p
+
+
+def _symlinked_parent_into_foreign(base):
+    _, p = _parent_foreign_0777(base)
+    (base / "link").symlink_to(p)
+    return base / "link" / "cache", p
+
+
+def _foreign_symlink_into_ours(base):
+    (base / "mine").mkdir(mode=0o700)
+    link = base / "link"
+    link.symlink_to(base / "mine")
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    return link / "cache", link
+
+
+def _foreign_grandparent(base):
+    _, p = _parent_foreign_0777(base)
+    (p / "sub").mkdir(mode=0o700)
+    return p / "sub" / "cache", p
+
+
+def _relative_link_through_dotdot(base):
+    _, p = _parent_ours_0777(base)
+    (base / "d").mkdir(mode=0o700)
+    (base / "d" / "link").symlink_to("../shared")
+    return base / "d" / "link" / "cache", p
+
+
+def _parent_a_file(base):
+    (base / "afile").write_text("x")
+    return base / "afile" / "cache", base / "afile"
+
+
+BAD_ANCESTORS = [
+    ("parent 0777 of another uid", _parent_foreign_0777, "owned by uid 12345"),
+    ("parent 0777 of ours, not sticky", _parent_ours_0777, r"without the sticky bit \(mode 0777"),
+    ("symlinked parent into a foreign folder", _symlinked_parent_into_foreign, "owned by uid"),
+    ("parent symlink of another uid", _foreign_symlink_into_ours, "symbolic link .* owned by"),
+    ("grandparent of another uid", _foreign_grandparent, "owned by uid 12345"),
+    ("relative link with ..", _relative_link_through_dotdot, "without the sticky bit"),
+    ("parent is a file", _parent_a_file, "not a folder"),
+]
+
+
+@pytest.mark.parametrize("name,make,why", BAD_ANCESTORS, ids=[b[0] for b in BAD_ANCESTORS])
+def test_a_cache_folder_under_an_unsafe_ancestor_is_refused_naming_it(monkeypatch, tmp_path,
+                                                                       name, make, why):
+    """Whoever can write an ancestor (or repoint a link on the way) can swap the cache folder
+    for theirs after the check: refused, naming the ancestor; nothing is created under it."""
+    d, culprit = make(tmp_path)
+    monkeypatch.setenv(cache.ENV, str(d))
+    with pytest.raises(cache.CacheDirError, match=why) as e:
+        cache.cache_dir()
+    assert repr(str(culprit)) in str(e.value) and cache.ENV in str(e.value)
+    assert not os.path.lexists(d)
+
+
+GOOD_ANCESTORS = [("sticky 1777 parent (as /tmp)", 0o1777), ("private parent", 0o700),
+                  ("readable 0755 parent", 0o755)]
+
+
+@pytest.mark.parametrize("name,mode", GOOD_ANCESTORS, ids=[g[0] for g in GOOD_ANCESTORS])
+def test_a_cache_folder_under_safe_ancestors_is_used(monkeypatch, tmp_path, name, mode):
+    p = tmp_path / "parent"
+    p.mkdir()
+    os.chmod(p, mode)
+    (tmp_path / "link").symlink_to(p)  # a link of ours on the way is fine
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "link" / "deeper" / "cache"))
+    d = cache.cache_dir()
+    assert os.path.isdir(d) and stat.S_IMODE(os.stat(d).st_mode) == 0o700
+
+
+def _planted_library(tmp_path, marker):
+    """A library whose load constructor writes ``marker``."""
+    import subprocess
+    src = tmp_path / "evil.c"
+    src.write_text('#include <stdio.h>\n__attribute__((constructor)) static void p(void)'
+                   f'{{FILE*f=fopen("{marker}","w");fputs("ran",f);fclose(f);}}\n')
+    subprocess.run([c_backend._compiler(), "-shared", "-fPIC", "-o", str(tmp_path / "evil.so"),
+                    str(src)], check=True)
+    return (tmp_path / "evil.so").read_bytes()
+
+
+PLANTS = [("owned by another uid", lambda p: os.chown(p, OTHER_UID, OTHER_UID)),
+          ("group-writable", lambda p: os.chmod(p, 0o664)),
+          ("a symlink", None)]
+
+
+@pytest.mark.parametrize("name,spoil", PLANTS, ids=[p[0] for p in PLANTS])
+def test_a_planted_library_with_a_matching_digest_never_loads(monkeypatch, tmp_path, name, spoil):
+    """What a folder swapped after the check would hold: a library not private to us with the
+    digest anyone can compute beside it. It is rebuilt, never loaded (its constructor would
+    run), and the library loaded is the one checked (read through the same descriptor)."""
+    marker = tmp_path / "PWNED"
+    evil = _planted_library(tmp_path, marker)
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "cache"))
+    answer = 50 + len(name)
+    source = c_backend.PRELUDE + f"int dt_answer(void) {{ return {answer}; }}\n"
+    lib = c_backend._library_stem(source, c_backend._compiler()) + ".so"
+    if spoil is None:
+        (tmp_path / "elsewhere.so").write_bytes(evil)
+        os.symlink(tmp_path / "elsewhere.so", lib)
+    else:
+        with open(lib, "wb") as f:
+            f.write(evil)
+        spoil(lib)
+    with open(lib + ".sha256", "wb") as f:
+        f.write(c_backend._digest(evil))
+    assert c_backend.build(source).dt_answer() == answer
+    assert not marker.exists()

@@ -17,20 +17,27 @@ folder to ``v4`` and only then points LATEST at it (an atomic replace), so a cra
 leaves the previous checkpoint loadable and a partial one is never read. A save that fails
 (a full disk, a bad path) fails on every rank and removes its partial folder.
 
-What a save removes: only folders named exactly ``vN`` or ``vN.partial`` that hold our marker
-(and never through a symlink); every other entry of ``path`` is the user's.
+What a save removes: only in folders named exactly ``vN`` or ``vN.partial`` that hold our
+marker (and never through a symlink), only the files a save writes there (by name), then the
+folder if nothing else is left: a user's file or folder put inside a version keeps it. A save
+refuses a folder whose LATEST it did not write (another tool's, or a symlink). Every other entry
+of ``path`` is the user's.
 
 What a load trusts: nothing on disk. LATEST must name a ``vN``; the version folder and every
 file in it are opened without following symlinks and must be regular files (a FIFO would
-block); shard names come from a validated rank; the metadata is validated whole (types, blocks
-tiling each tensor exactly) before any block is read; a block's .npy header and size are checked
-against the metadata before its data is read. Loading never runs code from the checkpoint
-(no pickle). Non-tensor values (an optimizer's step count, the data order's RNG state) go to
-metadata.json as JSON.
+block); shard names come from a validated rank; the metadata (at most 256 MiB) is validated
+whole (no duplicate JSON keys, types, blocks tiling each tensor exactly once) before any block
+is read; a block's .npy header and size are checked against the metadata before its data is
+read. Loading never runs code from the checkpoint (no pickle). Non-tensor values (an
+optimizer's step count, the data order's RNG state) go to metadata.json as JSON, and load into
+a state value of their own kind only. A hard link in the folder is a file of the folder and is
+read (refusing them would break ``cp -al`` snapshots): the folder's owner decides what it holds.
 
 Both are collective when the state holds DTensors (save also whenever the job has several
 ranks): every rank must pass the same keys, shapes, dtypes, placements and path, and an error
-on one rank is raised on all of them.
+on one rank is raised on all of them, at once (every step of a rank's own work between two
+collectives is shared). The metadata's schema and tiling checks live in
+dtensor._checkpoint_meta.
 """
 from __future__ import annotations
 
@@ -40,53 +47,53 @@ import json
 import math
 import os
 import re
-import shutil
 import stat
+import sys
 import zipfile
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["save", "load", "CheckpointError", "FORMAT", "VERSION"]
+from dtensor._checkpoint_meta import FORMAT, SHARD, VERSION, CheckpointError, read_meta
 
-FORMAT = "dtensor-checkpoint"
-VERSION = 1
+__all__ = ["save", "load", "CheckpointError", "FORMAT", "VERSION"]
 
 _MARKER = ".dtensor-checkpoint"
 _VERSION = re.compile(r"v[1-9][0-9]*")
-_FOLDER = re.compile(r"v([1-9][0-9]*)(\.partial)?")
-_SHARD = re.compile(r"rank(0|[1-9][0-9]*)\.npz")
-_ENTRY = re.compile(r"a[0-9]+")
-_DTYPES = frozenset(np.dtype(t).str for t in (
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128"))
+_FOLDER = re.compile(r"v([1-9][0-9]{0,17})(\.partial)?")
+# The files a save writes in a version folder besides rank<r>.npz: all a removal may delete.
+_OURS = frozenset({_MARKER, "metadata.json", "LATEST.new"})
 # An .npy header is padded to 64 bytes and holds one dict of dtype, order and shape.
 _NPY_HEADER_MAX = 4096
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, incomplete, corrupt, or not matching."""
-
-
 # ----------------------------------------------------------------------------- helpers
 
-def _flatten(tree, prefix="", out=None):
-    """{dotted key: (parent container, key, value)} for every leaf of nested dicts/lists."""
-    out = {} if out is None else out
-    if isinstance(tree, dict):
-        items = tree.items()
-    elif isinstance(tree, list):
-        items = enumerate(tree)
-    else:
+def _flatten(tree) -> tuple[dict, CheckpointError | None]:
+    """({dotted key: (parent container, key, value)} for every leaf of nested dicts/lists, the
+    error of two leaves whose keys flatten alike ({"a.b": x} and {"a": {"b": y}}) or None).
+    The error is returned, not raised, for a collective caller to share with its peers."""
+    if not isinstance(tree, (dict, list)):
         raise TypeError(f"checkpoint state must be nested dicts/lists, got {type(tree).__name__}")
-    for k, v in items:
-        key = f"{prefix}{k}"
-        if isinstance(v, (dict, list)) and not _is_tensor(v):
-            _flatten(v, key + ".", out)
-        else:
-            out[key] = (tree, k, v)
-    return out
+    out: dict = {}
+    spelled: dict[str, str] = {}
+    clash = None
+
+    def walk(node, prefix, path):
+        nonlocal clash
+        for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+            key, where = f"{prefix}{k}", f"{path}[{k!r}]"
+            if isinstance(v, (dict, list)) and not _is_tensor(v):
+                walk(v, key + ".", where)
+            elif key in out:
+                clash = clash or CheckpointError(
+                    f"checkpoint: state{spelled[key]} and state{where} are both saved as "
+                    f"{key!r}; one would be lost. Rename one of them.")
+            else:
+                out[key], spelled[key] = (node, k, v), where
+    walk(tree, "", "")
+    return out, clash
 
 
 def _is_tensor(v) -> bool:
@@ -102,13 +109,39 @@ def _has_dtensors(flat) -> bool:
     return any(_is_dtensor(v) for _, _, v in flat.values())
 
 
+# How launchers tell a process it is one rank of several: dtensor's launcher and torchrun
+# (WORLD_SIZE), MPICH's hydra and Intel MPI (PMI_SIZE), Open MPI (OMPI_COMM_WORLD_SIZE).
+_LAUNCHER_SIZES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one rank of a job of several: a launcher said so, or MPI is
+    already running here (imported by the user or by dtensor.comm) with a world of several."""
+    for name in _LAUNCHER_SIZES:
+        with contextlib.suppress(ValueError):
+            if int(os.environ.get(name, "1")) > 1:
+                return True
+    mpi = sys.modules.get("mpi4py.MPI")  # never started here: a job of one has no MPI
+    return (mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+            and mpi.COMM_WORLD.Get_size() > 1)
+
+
 def _world(flat):
     """(rank, size, comm): the job's world if there is one, else a world of one without MPI."""
-    if _has_dtensors(flat) or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if _has_dtensors(flat) or _several_ranks():
         from dtensor.comm import get_world
         w = get_world()
         return w.rank, w.size, w
     return 0, 1, None
+
+
+def _agree(comm, what: str, fix: str, error, **fields) -> None:
+    """``comm.check_same``: every rank passed the same ``fields`` and none has an ``error``, or
+    all raise; in a world of one without MPI, just ``error`` if any."""
+    if comm is not None:
+        comm.check_same(what, fix, error=error, **fields)
+    elif error is not None:
+        raise error
 
 
 def _together(comm, what: str):
@@ -190,18 +223,54 @@ def _is_ours(folder: str) -> bool:
         return False
 
 
+def _remove_ours(folder) -> None:
+    """Remove what a save wrote in version folder ``folder``: its files by their names (never a
+    folder, never through a symlink), then the folder if nothing else is left. Anything else,
+    a user's notes or a checkpoint of their own, keeps the folder and our marker with it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        for e in os.scandir(fd):
+            if (e.name != _MARKER and (e.name in _OURS or SHARD.fullmatch(e.name))
+                    and not e.is_dir(follow_symlinks=False)):
+                with contextlib.suppress(OSError):
+                    os.unlink(e.name, dir_fd=fd)
+        # The marker goes last: a removal cut short leaves a folder a later save still knows.
+        if os.listdir(fd) == [_MARKER]:
+            os.unlink(_MARKER, dir_fd=fd)
+            os.rmdir(folder)
+    except OSError:
+        pass  # what could not be removed stays; it is never read (LATEST does not name it)
+    finally:
+        os.close(fd)
+
+
 # ----------------------------------------------------------------------------- save
 
+def _unpartial(flat, tensors) -> dict:
+    """{key: tensor to write}: a DTensor with Partial placements is reduced first (a collective:
+    every rank has the same placements, checked)."""
+    from dtensor.placements import Partial, Replicate
+    out = {}
+    for key in tensors:
+        t = flat[key][2]
+        if _is_dtensor(t) and any(isinstance(p, Partial) for p in t.placements):
+            t = t.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
+                                           for p in t.placements])
+        out[key] = t
+    return out
+
+
 def _my_block(t, rank):
-    """(array, offsets, writer?) of this rank's block of tensor ``t``."""
+    """(array, offsets, writer?) of this rank's block of tensor ``t`` (not Partial): a plain
+    tensor is written by rank 0, a DTensor's block by the ranks at coordinate 0 of every mesh
+    dim it is not sharded over."""
     if not _is_dtensor(t):
         return np.asarray(t.numpy()), (0,) * t.ndim, rank == 0
-    from dtensor.placements import Partial, Shard
-    if any(isinstance(p, Partial) for p in t.placements):
-        from dtensor.placements import Replicate
-        t = t.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
-                                       for p in t.placements])
-    shape, off = t._spec.local_shape_and_offset()
+    from dtensor.placements import Shard
+    _, off = t._spec.local_shape_and_offset()
     coord = t.device_mesh.get_coordinate()
     writer = all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, Shard))
     return t._loc(), off, writer
@@ -210,36 +279,46 @@ def _my_block(t, rank):
 def save(state_dict, path) -> str:
     """Write ``state_dict`` (nested dicts of tensors, DTensors and JSON values) under ``path``.
 
-    Collective when the state holds DTensors or the job has several ranks: every rank calls it
-    with the same state layout and path. Returns the version folder written ("v3"). Raises on
-    every rank if it fails on any (NotADirectoryError for a ``path`` that is a file, the
-    OSError of a full disk naming the file); the previous checkpoint stays loadable.
+    Collective when the state holds DTensors or the job has several ranks (a launcher's
+    WORLD_SIZE, PMI_SIZE or OMPI_COMM_WORLD_SIZE, or MPI already started): every rank calls it
+    with the same state layout and path, and a plain tensor is written from rank 0. Returns the
+    version folder written ("v3"). Raises on every rank if it fails on any (NotADirectoryError
+    for a ``path`` that is a file, the OSError of a full disk naming the file, CheckpointError
+    for a LATEST that is not ours or two keys that flatten alike); the previous checkpoint
+    stays loadable.
     """
-    flat = _flatten(state_dict)
+    flat, error = _flatten(state_dict)
     rank, size, comm = _world(flat)
     root = Path(path)
     tensors, value_keys = _describe(flat)
-    if comm is not None:
-        comm.check_same("checkpoint.save", "Call save on every rank with the same state and "
-                        "path.", path=str(root.absolute()), tensors=tensors, values=value_keys)
+    values = {}
+    try:
+        values = {k: _jsonable(flat[k][2], k) for k in value_keys}
+    except TypeError as e:
+        error = error or e
+    _agree(comm, "checkpoint.save", "Call save on every rank with the same state and path.",
+           error, path=str(root.absolute()), tensors=tensors, values=value_keys)
     made: list[Path] = []  # rank 0: the folder this call created, removed if the save fails
     try:
         with _together(comm, "checkpoint.save"):
-            values = {k: _jsonable(flat[k][2], k) for k in value_keys}
             if root.exists() and not root.is_dir():
                 raise NotADirectoryError(f"checkpoint.save: {root} exists and is not a folder; "
                                          f"pass the path of a folder (created if missing).")
             version = _new_version(root, made) if rank == 0 else None
         if comm is not None:
             version = comm._c.bcast(version, root=0)  # metadata only
-        blocks = _write_blocks(flat, tensors, root / f"{version}.partial", rank, comm)
+        to_write = _unpartial(flat, tensors)
+        # Between collectives every step of a rank's own work is shared: a rank that fails
+        # must not leave the others waiting in the next collective.
+        with _together(comm, "checkpoint.save"):
+            blocks = _write_blocks(to_write, root / f"{version}.partial", rank)
         all_blocks = comm._c.gather(blocks, root=0) if comm is not None else [blocks]
         with _together(comm, "checkpoint.save"):
             if rank == 0:
                 _commit(root, version, tensors, values, size, all_blocks, made)
     except BaseException:
         for folder in made:
-            shutil.rmtree(folder, ignore_errors=True)
+            _remove_ours(folder)
         raise
     return version
 
@@ -248,6 +327,11 @@ def _new_version(root: Path, made: list[Path]) -> str:
     """Rank 0: a fresh ``vN.partial`` folder under ``root``, our marker its first file."""
     with _naming(root):
         root.mkdir(parents=True, exist_ok=True)
+    try:
+        _latest(root)
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint.save: {e} A save never replaces a LATEST it did not "
+                              f"write: save to another folder.") from None
     # One past every name a version could take, ours or not: a save that died after its rename
     # but before LATEST left a complete vN that LATEST does not name, and a user's own "v7" is
     # neither reused nor overwritten.
@@ -261,11 +345,11 @@ def _new_version(root: Path, made: list[Path]) -> str:
     return version
 
 
-def _write_blocks(flat, tensors, tmp: Path, rank: int, comm) -> list[dict]:
-    """Write this rank's blocks to ``tmp/rank{rank}.npz``; their metadata."""
+def _write_blocks(to_write: dict, tmp: Path, rank: int) -> list[dict]:
+    """Write this rank's blocks to ``tmp/rank{rank}.npz``; their metadata. No collectives."""
     arrays, blocks = {}, []
-    for key in tensors:
-        local, off, writer = _my_block(flat[key][2], rank)  # may redistribute: collective
+    for key, t in to_write.items():
+        local, off, writer = _my_block(t, rank)
         if writer and local.size:
             name = f"a{len(arrays)}"
             arrays[name] = np.ascontiguousarray(local)
@@ -273,7 +357,7 @@ def _write_blocks(flat, tensors, tmp: Path, rank: int, comm) -> list[dict]:
                            "offsets": [int(o) for o in off],
                            "shape": [int(n) for n in local.shape], "crc32": _crc(local)})
     path = tmp / f"rank{rank}.npz"
-    with _together(comm, "checkpoint.save"), _naming(path):
+    with _naming(path):
         if arrays:
             with open(path, "xb") as f:
                 np.savez(f, **arrays)
@@ -304,94 +388,7 @@ def _commit(root: Path, version: str, tensors, values, size, all_blocks, made) -
     for entry in os.scandir(root):
         if (_FOLDER.fullmatch(entry.name) and entry.name != version
                 and entry.is_dir(follow_symlinks=False) and _is_ours(entry.path)):
-            shutil.rmtree(entry.path, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------- metadata
-
-_KINDS = {int: "an integer", str: "a string", list: "a list", dict: "a JSON object"}
-
-
-def _check_meta(meta, where: Path) -> dict:
-    """``meta`` validated whole: a field of the wrong type, a name that is not ours, or blocks
-    that do not tile their tensor exactly once is a CheckpointError naming the field."""
-    def bad(field, why):
-        return CheckpointError(f"{where}: {field} {why}; the file is corrupt or was not written "
-                               f"by dtensor.checkpoint.save.")
-
-    def get(d, key, field, kind):
-        if key not in d:
-            raise bad(field, f"has no {key!r} key")
-        if not isinstance(d[key], kind) or isinstance(d[key], bool):
-            raise bad(f"{field}[{key!r}]", f"is {d[key]!r}, not {_KINDS[kind]}")
-        return d[key]
-
-    def ints(d, key, field, n=None, low=0):
-        v = get(d, key, field, list)
-        if (n is not None and len(v) != n) or any(type(x) is not int or not low <= x < 2**62
-                                                  for x in v):
-            count = "" if n is None else f"{n} "
-            raise bad(f"{field}[{key!r}]", f"is {v!r}, not {count}integers in [{low}, 2**62)")
-        return v
-
-    if not isinstance(meta, dict):
-        raise bad("the metadata", f"is a {type(meta).__name__}, not a JSON object")
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where} has format {meta.get('format')!r}, not {FORMAT!r}: not "
-                              f"a dtensor checkpoint.")
-    if meta.get("version") != VERSION or type(meta["version"]) is not int:
-        raise CheckpointError(f"{where} has format version {meta.get('version')!r}; this "
-                              f"dtensor reads version {VERSION}. Load it with the dtensor "
-                              f"release that wrote it.")
-    world = get(meta, "world_size", "the metadata", int)
-    get(meta, "values", "the metadata", dict)
-    for key, t in get(meta, "tensors", "the metadata", dict).items():
-        field = f"tensors[{key!r}]"
-        if not isinstance(t, dict):
-            raise bad(field, f"is {t!r}, not a JSON object")
-        if get(t, "dtype", field, str) not in _DTYPES:
-            raise bad(f"{field}['dtype']", f"is {t['dtype']!r}, not a numeric dtype")
-        shape = ints(t, "shape", field)
-        if any(not isinstance(p, str) for p in get(t, "placements", field, list)):
-            raise bad(f"{field}['placements']", f"is {t['placements']!r}, not a list of names")
-        ints(t, "mesh_shape", field, low=1)
-        blocks = get(t, "blocks", field, list)
-        for i, b in enumerate(blocks):
-            bf = f"{field}['blocks'][{i}]"
-            if not isinstance(b, dict):
-                raise bad(bf, f"is {b!r}, not a JSON object")
-            m = _SHARD.fullmatch(get(b, "file", bf, str))
-            if m is None or int(m.group(1)) >= world:
-                raise bad(f"{bf}['file']", f"is {b['file']!r}, not 'rank<r>.npz' for a rank r "
-                                           f"of the {world} that saved")
-            if not _ENTRY.fullmatch(get(b, "entry", bf, str)):
-                raise bad(f"{bf}['entry']", f"is {b['entry']!r}, not 'a<n>'")
-            off, n = ints(b, "offsets", bf, len(shape)), ints(b, "shape", bf, len(shape))
-            if any(o + k > s for o, k, s in zip(off, n, shape)):
-                raise bad(bf, f"(offsets {off}, shape {n}) reaches past the global shape {shape}")
-            crc = get(b, "crc32", bf, int)
-            if not 0 <= crc < 2**32:
-                raise bad(f"{bf}['crc32']", f"is {crc!r}, not a CRC-32")
-        _check_tiling(field, shape, blocks, bad)
-    return meta
-
-
-def _check_tiling(field, shape, blocks, bad) -> None:
-    """The blocks cover the global shape exactly once: equal volume and no two overlap (then no
-    gap is left either). An overlap would otherwise leave part of a load uninitialised."""
-    volume, need = sum(math.prod(b["shape"]) for b in blocks), math.prod(shape)
-    if volume != need:
-        raise bad(f"{field}['blocks']", f"hold {volume} elements but the shape {shape} has "
-                                        f"{need}: they overlap or leave a gap")
-    lo = np.array([b["offsets"] for b in blocks], np.int64).reshape(len(blocks), len(shape))
-    hi = lo + np.array([b["shape"] for b in blocks], np.int64).reshape(lo.shape)
-    for i in range(len(blocks) - 1):
-        hit = np.flatnonzero(np.all((lo[i] < hi[i + 1:]) & (lo[i + 1:] < hi[i]), axis=1))
-        if hit.size:
-            j = i + 1 + int(hit[0])
-            raise bad(f"{field}['blocks']", f"{i} and {j} overlap (offsets {lo[i].tolist()} "
-                                            f"and {lo[j].tolist()}, shapes {blocks[i]['shape']} "
-                                            f"and {blocks[j]['shape']})")
+            _remove_ours(entry.path)
 
 
 # ----------------------------------------------------------------------------- load
@@ -413,7 +410,7 @@ class _Checkpoint:
             raise CheckpointError(f"{self.folder} (named by LATEST) is not a folder of this "
                                   f"checkpoint but a symlink or a file ({e.strerror}).") from None
         try:
-            self.meta = _check_meta(self._json(), self.folder / "metadata.json")
+            self.meta = self._json()
         except BaseException:
             self.close()
             raise
@@ -437,12 +434,7 @@ class _Checkpoint:
             raise CheckpointError(f"{path} is missing: LATEST names {self.folder.name!r} but "
                                   f"that checkpoint is incomplete.") from None
         with f:
-            text = f.read()
-        try:
-            return json.loads(text)
-        except (ValueError, RecursionError) as e:
-            raise CheckpointError(f"{path} is not valid JSON ({e}); the file is "
-                                  f"corrupt.") from None
+            return read_meta(f, path)
 
     def block(self, key: str, i: int, b: dict, dtype: np.dtype) -> np.ndarray:
         """Block ``i`` of ``key``, its .npy header and size checked before its data is read."""
@@ -512,19 +504,28 @@ def _read_npy(m, size: int, shape: list, dtype: np.dtype, nbytes: int, where: st
     return np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
 
 
-def _read_latest(root: Path) -> str:
+def _latest(root: Path) -> str | None:
+    """The version LATEST names, or None if there is no LATEST; a LATEST that is not a regular
+    file holding a version's name (another tool's, or a symlink) is a CheckpointError."""
     path = root / "LATEST"
     try:
         with _open_regular(path, str(path)) as f:
             raw = f.read(257)
     except FileNotFoundError:
-        raise CheckpointError(f"no complete checkpoint at {root}: {path} is missing (a save "
-                              f"that did not finish leaves only *.partial folders).") from None
+        return None
     text = raw.decode("ascii", errors="replace").strip()
     if len(raw) > 256 or not _VERSION.fullmatch(text):
         raise CheckpointError(f"{path} holds {raw!r}, not the name of a version folder "
                               f"like 'v3'; the file is corrupt or not a checkpoint's.")
     return text
+
+
+def _read_latest(root: Path) -> str:
+    name = _latest(root)
+    if name is None:
+        raise CheckpointError(f"no complete checkpoint at {root}: {root / 'LATEST'} is missing "
+                              f"(a save that did not finish leaves only *.partial folders).")
+    return name
 
 
 def _target_block(t):
@@ -539,24 +540,24 @@ def load(state_dict, path, *, strict: bool = True) -> None:
     from the newest complete checkpoint under ``path``.
 
     Collective when the state holds DTensors: every rank passes the same state layout and path,
-    and if reading fails on any rank it raises on all. Nothing in the state changes unless the
-    whole load succeeds.
+    and if reading fails on any rank it raises on all. (A job where some ranks pass DTensors and
+    others plain tensors is caught only by DTENSOR_COLLECTIVE_TIMEOUT on the DTensor ranks: the
+    plain ones load alone.) Nothing in the state changes unless the whole load succeeds.
 
     Raises CheckpointError for a missing, incomplete, corrupt (checksum), truncated, malformed
     or wrong-version checkpoint, for a path in it that leads anywhere but its own regular files,
-    and for keys or shapes that do not match (``strict=False`` skips keys missing on either
-    side).
+    for keys or shapes that do not match (``strict=False`` skips keys missing on either side),
+    and for a saved value of another kind than the state's (a JSON value for a tensor, a string
+    or a dict for a number; None in the state takes any value).
     """
     root = Path(path)
-    flat = _flatten(state_dict)
+    flat, error = _flatten(state_dict)
     # Ranks holding DTensors read different blocks; one whose read fails must not leave the
     # others running on. A state of plain tensors is read whole by each caller on its own.
     comm = _world(flat)[2] if _has_dtensors(flat) else None
-    if comm is not None:
-        tensors, value_keys = _describe(flat)
-        comm.check_same("checkpoint.load", "Call load on every rank with the same state and "
-                        "path.", path=str(root.absolute()), strict=strict, tensors=tensors,
-                        values=value_keys)
+    tensors, value_keys = _describe(flat)
+    _agree(comm, "checkpoint.load", "Call load on every rank with the same state and path.",
+           error, path=str(root.absolute()), strict=strict, tensors=tensors, values=value_keys)
     with _together(comm, "checkpoint.load"):
         with _Checkpoint(root) as ck:
             values, arrays = _read(flat, ck, strict)
@@ -569,6 +570,34 @@ def load(state_dict, path, *, strict: bool = True) -> None:
             v._set_local(a)
         else:
             v.data = a
+
+
+def _kind(v) -> str | None:
+    """The kind a state value keeps across a load: bool, number or string (None: any)."""
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, (int, float)):
+        return "number"
+    return "string" if isinstance(v, str) else None
+
+
+def _value(key: str, now, saved):
+    """``saved``, the checkpoint's JSON value for ``key``, if it may replace ``now``: a tensor is
+    never replaced by a JSON value, nor a bool, number or string by another kind (an int step by
+    a dict, or by NaN); an int and a float are both numbers (a learning rate given as 1)."""
+    kind = _kind(now)
+    if _is_tensor(now):
+        why = "a tensor in the state"
+    elif kind is not None and (_kind(saved) != kind or isinstance(now, int) and not isinstance(
+            now, bool) and isinstance(saved, float) and not math.isfinite(saved)):
+        why = f"{type(now).__name__} {now!r} in the state"
+    else:
+        return saved
+    text = repr(saved)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    raise CheckpointError(f"{key!r} is {why} but {type(saved).__name__} {text} in the "
+                          f"checkpoint. A saved value loads only into a state value of its own "
+                          f"kind: load into a state built like the one saved.")
 
 
 def _read(flat, ck: _Checkpoint, strict: bool) -> tuple[dict, dict]:
@@ -584,7 +613,7 @@ def _read(flat, ck: _Checkpoint, strict: bool) -> tuple[dict, dict]:
     values, arrays = {}, {}
     for key, (_, _, v) in flat.items():
         if key in meta["values"]:
-            values[key] = meta["values"][key]
+            values[key] = _value(key, v, meta["values"][key])
             continue
         info = meta["tensors"].get(key)
         if info is None:

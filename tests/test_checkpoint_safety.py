@@ -271,9 +271,11 @@ WB = ("tensors", "w", "blocks")
 
 
 def _blocks(*boxes):
-    """w saved as these (offsets, shape) blocks, all pointing at the real member."""
+    """w saved as these (offsets, shape) blocks, all pointing at the real member, by as many
+    ranks (a rank writes at most one block of a tensor)."""
     def fn(meta):
         b0 = meta["tensors"]["w"]["blocks"][0]
+        meta["world_size"] = max(len(boxes), 1)
         meta["tensors"]["w"]["blocks"] = [dict(b0, offsets=list(o), shape=list(s))
                                           for o, s in boxes]
     return fn
@@ -325,6 +327,12 @@ META_ATTACKS = [  # (name, edit of metadata.json, what the error names)
      r"\['placements'\] is \[0\], not a list of names"),
     ("mesh shape zero", _set("tensors", "w", "mesh_shape", [0]), r"\['mesh_shape'\] is \[0\]"),
     ("version a bool", _set("version", True), r"has format version True"),
+    ("key a tensor and a value", _set("values", "w", [1, 2]),
+     r"tensors\['w'\] is also in values: a key is a tensor or a JSON value, not both"),
+    ("more blocks than ranks", _set(*WB, [{}] * 2),
+     r"tensors\['w'\]\['blocks'\] has 2 blocks, more than one for each of the 1 ranks"),
+    ("world_size zero", _set("world_size", 0), r"\['world_size'\] is 0, not a number of ranks"),
+    ("world_size huge", _set("world_size", 10**30), r"\['world_size'\] is 10{30}, not a"),
     ("not our format", _foreign, r"has format None, not 'dtensor-checkpoint'"),
 ]
 
@@ -351,6 +359,152 @@ def test_metadata_that_is_not_a_json_object(tmp_path, text, pattern):
     (root / "v1" / "metadata.json").write_bytes(text)
     with pytest.raises(CheckpointError, match=pattern):
         dtensor.checkpoint.load(state(), root)
+
+
+@pytest.mark.parametrize("old,new,key", [
+    ('"values": {', '"values": {"step": 7, ', "step"),
+    ('{"format"', '{"world_size": 1, "format"', "world_size"),
+    ('"crc32": ', '"crc32": 0, "crc32": ', "crc32"),
+], ids=["in values", "top level", "in a block"])
+def test_a_key_twice_in_one_json_object_is_refused(tmp_path, old, new, key):
+    root = saved(tmp_path)  # json keeps the last of two equal keys: which one is meant?
+    path = root / "v1" / "metadata.json"
+    path.write_text(path.read_text().replace(old, new, 1))
+    st = state()
+    with pytest.raises(CheckpointError, match=rf"metadata\.json: the key '{key}' appears twice "
+                                              r"in one JSON object"):
+        dtensor.checkpoint.load(st, root)
+    assert values(st)[2] == 0
+
+
+def test_metadata_past_the_size_cap_is_not_read(tmp_path):
+    root = saved(tmp_path)
+    path = root / "v1" / "metadata.json"
+    with open(path, "r+b") as f:
+        f.truncate(300 << 20)  # sparse: 300 MB to stat, nothing to write
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=r"metadata\.json is 314572800 bytes, more "
+                                                  r"than the 268435456 a checkpoint's metadata"):
+            dtensor.checkpoint.load(state(), root)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+
+
+def _grid(rows, cols, n_rows, n_cols):
+    """``rows`` x ``cols`` equal blocks of a [n_rows, n_cols] tensor, row-major."""
+    h, w = n_rows // rows, n_cols // cols
+    return [((i * h, j * w), (h, w)) for i in range(rows) for j in range(cols)]
+
+
+def _brick(n):
+    """Two rows of a [2, 2n] tensor cut at even columns in row 0 and odd ones in row 1."""
+    return ([((0, 2 * j), (1, 2)) for j in range(n)]
+            + [((1, 0), (1, 1))] + [((1, 2 * j + 1), (1, 2)) for j in range(n - 1)]
+            + [((1, 2 * n - 1), (1, 1))])
+
+
+TILINGS = [  # (name, global shape, (offsets, shape) blocks, error or None: a valid tiling)
+    ("60k rows", (60_000, 1), _grid(60_000, 1, 60_000, 1), None),
+    ("60k, 245x245 grid", (245, 245 * 4), _grid(245, 245, 245, 245 * 4), None),
+    ("60k, last overlaps the first", (60_000, 1),
+     _grid(60_000, 1, 60_000, 1)[:-1] + [((0, 0), (1, 1))],
+     r"\['blocks'\] 0 and 59999 overlap \(offsets \[0, 0\] and \[0, 0\]"),
+    ("60k, overlap mid-way", (60_000, 1),
+     _grid(60_000, 1, 60_000, 1)[:30_000] + [((29_999, 0), (2, 1))]
+     + _grid(60_000, 1, 60_000, 1)[30_002:],
+     r"\['blocks'\] 29999 and 30000 overlap"),
+    ("bricks", (2, 200), _brick(100), None),
+    ("bricks past the grid cap", (2, 60_000), _brick(30_000),
+     r"cut the shape \[2, 60000\] into 120000 pieces, more than the 100000 a save's mesh "
+     r"sharding makes: the block layout is too fragmented"),
+]
+
+
+@pytest.mark.parametrize("shape,boxes,pattern", [c[1:] for c in TILINGS],
+                         ids=[c[0] for c in TILINGS])
+def test_the_tiling_check_is_linear_in_the_blocks(tmp_path, monkeypatch, shape, boxes, pattern):
+    import dtensor._checkpoint_meta as meta_mod
+    monkeypatch.setattr(meta_mod, "_GRID_MAX", 100_000)  # so a fragmented layout stays small
+    root = saved(tmp_path)
+
+    def fn(meta):
+        meta["tensors"]["w"]["shape"] = list(shape)
+        _blocks(*boxes)(meta)  # and a world_size of as many ranks
+    edit_meta(root, fn)
+    (root / "v1" / "rank0.npz").unlink()  # a valid tiling then fails at its first block
+    t = time.perf_counter()
+    with pytest.raises(CheckpointError,
+                       match=pattern or r"rank0\.npz is missing \(block 0 of 'w'\)"):
+        dtensor.checkpoint.load({**state(), "w": dtensor.tensor(np.zeros(shape, np.float32))},
+                                root)
+    # Linear: the tiling takes ~50 ms of it, the per-field checks and JSON ~15 us a block (a
+    # pairwise check took 73 s). Only a forged world_size gets this far: blocks <= ranks.
+    assert time.perf_counter() - t < 5.0
+
+
+# ----------------------------------------------------------------------------- kinds of values
+
+def _move_w_to_values(meta):
+    meta["values"]["w"] = 5
+    del meta["tensors"]["w"]
+
+
+KINDS = [  # (name, edit, the state's step, step after the load or the error)
+    ("a value for a tensor", _move_w_to_values, 0,
+     r"'w' is a tensor in the state but int 5 in the checkpoint"),
+    ("a dict for an int", _set("values", "step", {"x": [[1]]}), 0,
+     r"'step' is int 0 in the state but dict \{'x': \[\[1\]\]\} in the checkpoint"),
+    ("NaN for an int", _set("values", "step", float("nan")), 0,
+     r"'step' is int 0 in the state but float nan"),
+    ("a string for an int", _set("values", "step", "1"), 0, r"'step' is int 0 .* but str '1'"),
+    ("null for an int", _set("values", "step", None), 0, r"'step' is int 0 .* but NoneType"),
+    ("a bool for an int", _set("values", "step", True), 0, r"'step' is int 0 .* but bool True"),
+    ("an int for a bool", _set("values", "step", 1), False, r"'step' is bool False .* but int"),
+    ("a number for a string", _set("values", "step", 3), "a", r"'step' is str 'a' .* but int 3"),
+    ("an int for a float", _set("values", "step", 1), 0.5, 1),
+    ("a float for an int", _set("values", "step", 2.5), 0, 2.5),
+    ("NaN for a float", _set("values", "step", float("nan")), 0.5, "nan"),
+    ("anything for None", _set("values", "step", {"x": [1]}), None, {"x": [1]}),
+]
+
+
+@pytest.mark.parametrize("edit,before,after", [c[1:] for c in KINDS], ids=[c[0] for c in KINDS])
+def test_a_saved_value_loads_only_into_its_own_kind(tmp_path, edit, before, after):
+    root = saved(tmp_path)
+    edit_meta(root, edit)
+    st = {**state(), "step": before}
+    if isinstance(after, str) and after != "nan":
+        with pytest.raises(CheckpointError, match=after):
+            dtensor.checkpoint.load(st, root)
+        assert not st["w"].numpy().any() and st["step"] is before
+    else:
+        dtensor.checkpoint.load(st, root)
+        assert st["step"] == after or after == "nan" and st["step"] != st["step"]
+        np.testing.assert_array_equal(st["w"].numpy(), W)
+
+
+COLLIDING = [  # (name, state, what the error names)
+    ("dotted key and nesting", lambda: {"a.b": dtensor.tensor(B), "a": {"b": dtensor.tensor(W)}},
+     r"state\['a.b'\] and state\['a'\]\['b'\] are both saved as 'a.b'"),
+    ("int and str key", lambda: {1: dtensor.tensor(B), "1": 5},
+     r"state\[1\] and state\['1'\] are both saved as '1'"),
+    ("list index", lambda: {"a": [dtensor.tensor(B)], "a.0": 1},
+     r"state\['a'\]\[0\] and state\['a.0'\] are both saved as 'a.0'"),
+]
+
+
+@pytest.mark.parametrize("make,pattern", [c[1:] for c in COLLIDING],
+                         ids=[c[0] for c in COLLIDING])
+def test_keys_that_flatten_alike_are_refused(tmp_path, make, pattern):
+    with pytest.raises(CheckpointError, match=pattern + r"; one would be lost"):
+        dtensor.checkpoint.save(make(), tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    root = saved(tmp_path / "old")
+    with pytest.raises(CheckpointError, match=pattern):
+        dtensor.checkpoint.load(make(), root)
 
 
 # ----------------------------------------------------------------------------- planted members

@@ -4,21 +4,32 @@ instead of running stale (TorchDynamo's guards, found without reading bytecode).
 The tracer sees only tensor work: a global ``SCALE``, a closure cell, ``m.scale`` on a module,
 a dict passed as an argument are read at trace time and become constants of the graph. So
 before tracing, every value the function could read is fingerprinted: the globals its code
-names (nested functions' code too, and the code of user functions and user classes' methods it
-reaches), its closure cells and defaults, the attributes of the objects reachable from those
-and from the arguments (a Module's plain attributes and its submodules', a plain object's
-``vars``), and the contents of containers. The fingerprint is a flat tuple of (type, value)
-tokens; each call recomputes it and looks its graph up by it.
+names (nested functions' code too, and the code of user functions and user classes' methods,
+properties, static and class methods it reaches), its closure cells and defaults, the
+attributes of the objects reachable from those and from the arguments (a Module's plain
+attributes and its submodules', a plain object's ``vars`` and ``__slots__``, a user class's
+data attributes along its MRO), the contents of containers (namedtuples, deques and other
+sequences and mappings too), and, for every user module reached (a global, an argument,
+``pkg.sub``, ``obj.cfg``), its attributes that the walked code names. Code that reads globals
+by a computed name (``globals()["G"]``, ``getattr(mod, name)``, ``vars``) also guards every
+scalar global of its module and of the user modules reached. The fingerprint is a flat tuple
+of (type, value) tokens; each call recomputes it and looks its graph up by it.
 
 What is not a guard: tensors' values (parameters, gradients and optimizer state are graph
 inputs, and a parameter is fingerprinted by identity only), the optimizers (their
 hyperparameters are in the cache key, their per-step scalars are runtime slots), and dtensor's
-own code. A numpy array reached this way is guarded by identity, shape and dtype, and by its
-bytes up to ``SMALL_ARRAY`` elements; a walk stops at ``MAX_DEPTH`` levels of plain objects and
-containers and after ``MAX_TOKENS`` tokens (past those, a change is not seen).
+own code. Limits (a change there is not seen, and the graph runs with the old value): a numpy
+array is guarded by identity, shape and dtype, and by its bytes only up to ``SMALL_ARRAY``
+elements (a bigger one changed in place is not seen: pass it as a tensor argument); a walk
+stops at ``MAX_DEPTH`` levels of plain objects and containers and after ``MAX_TOKENS`` tokens;
+library objects count by equality or identity, not by their insides; a non-scalar global read
+by a computed name, a value a ``__getattr__`` computes from state the walk does not reach, and
+attributes of the ``builtins`` module are not guarded.
 """
 from __future__ import annotations
 
+import collections
+import collections.abc
 import dataclasses
 import dis
 import functools
@@ -37,7 +48,7 @@ from dtensor.tensor import TensorMethods
 
 __all__ = ["fingerprint", "explain", "first_change"]
 
-MAX_DEPTH = 6
+MAX_DEPTH = 12
 MAX_TOKENS = 50_000
 SMALL_ARRAY = 64
 
@@ -46,6 +57,11 @@ _CONTAINERS = frozenset((tuple, list, dict, OrderedDict))
 _LIBRARY_DIRS = tuple(os.path.abspath(p) + os.sep for p in {
     sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
 _NOT_USER = _OWN_DIRS + _LIBRARY_DIRS
+# Names through which code reads a module's globals by a computed name: ``globals()["G"]``,
+# ``vars(m)``, ``m.__dict__``, ``getattr(m, "G" + "A")``.
+_OWN_GLOBALS_BY_NAME = frozenset(("globals", "vars", "eval", "exec", "locals"))
+_ATTRS_BY_NAME = frozenset(("getattr", "vars", "__dict__", "eval", "exec"))
+_FLAT = (bytearray, memoryview)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -77,6 +93,9 @@ class _Walk:
         self.params = params
         self.seen: dict[int, int] = {}  # id -> token index: shared and cyclic objects once
         self.keep: list = []  # objects whose ids are in seen stay alive for the walk
+        self.names: set = set()  # every name the walked code loads
+        self.modules: list = []  # (user module, path) reached, walked last
+        self.by_name = False  # some walked code reads attributes by a computed name
 
     def leaf(self, path, *tokens) -> None:
         self.out.extend(tokens)
@@ -136,18 +155,42 @@ class _Walk:
             self.value(dict(v), path, depth)
         elif t in (set, frozenset):
             self.leaf(path, t, frozenset(v))
-        elif isinstance(v, (Optimizer, type)):
+        elif isinstance(v, type):
             self.leaf(path, "id", id(v))
+            if _class_is_user(v):  # `C.S`, `cls.K`: its data attributes and its code
+                self.user_class(v, path)
+        elif isinstance(v, Optimizer):
+            self.leaf(path, "id", id(v))
+        elif isinstance(v, types.ModuleType):
+            self.leaf(path, "module", id(v))
+            if _module_is_user(v) and self.once(v, path):
+                self.modules.append((v, path))  # its attributes, once every name is known
         elif t is types.MethodType:
             self.value(v.__self__, self.sub(path, ".__self__"), depth + 1)
             self.function(v.__func__, path)
-        elif t is functools.partial:
+        elif isinstance(v, functools.partial):  # a subclass too: its call is the same
             self.leaf(path, t)
             self.value(v.func, self.sub(path, ".func"), depth + 1)
             self.value(v.args, self.sub(path, ".args"), depth + 1)
             self.value(v.keywords, self.sub(path, ".keywords"), depth + 1)
-        elif (isinstance(v, types.ModuleType) or not hasattr(v, "__dict__")
-              or not (_class_is_user(t) or dataclasses.is_dataclass(v))):
+            if t is not functools.partial:
+                self.attributes(v, t, path, depth)
+        elif isinstance(v, _FLAT):
+            self.leaf(path, t, bytes(v))
+        elif isinstance(v, (tuple, list, collections.deque, collections.abc.MutableSequence)):
+            # a namedtuple, a deque, a list subclass: its items (a namedtuple's are its fields)
+            if self.once(v, path):
+                self.leaf(path, t, len(v))
+                for i, x in enumerate(v):
+                    self.value(x, self.sub(path, f"[{i}]"), depth + 1)
+        elif isinstance(v, collections.abc.Mapping):  # a mappingproxy, a ChainMap, ...
+            if self.once(v, path):
+                self.leaf(path, t, len(v))
+                for k, x in v.items():
+                    self.value(k, self.sub(path, " key"), depth + 1)
+                    self.value(x, self.sub(path, f"[{k!r}]"), depth + 1)
+        elif not (_class_is_user(t) or t is types.SimpleNamespace
+                  or dataclasses.is_dataclass(v)):
             try:  # a library object: by value where its type defines equality, else identity
                 hash(v)
                 self.leaf(path, t, v)
@@ -156,9 +199,16 @@ class _Walk:
         elif self.once(v, path):  # a user object or a dataclass: its attributes, its code
             self.leaf(path, t)
             self.user_class(t, path)
-            for k, x in vars(v).items():
-                self.leaf(path, k)
-                self.value(x, self.sub(path, f".{k}"), depth + 1)
+            self.attributes(v, t, path, depth)
+
+    def attributes(self, v, t, path, depth: int) -> None:
+        """An object's ``vars`` and its ``__slots__`` along the MRO."""
+        for k, x in getattr(v, "__dict__", {}).items():
+            self.leaf(path, k)
+            self.value(x, self.sub(path, f".{k}"), depth + 1)
+        for k in _slots(t):
+            self.leaf(path, k)
+            self.value(getattr(v, k, _UNSET), self.sub(path, f".{k}"), depth + 1)
 
     def array(self, a, path, tensor_id) -> None:
         small = a.tobytes() if a.size <= SMALL_ARRAY else None
@@ -208,28 +258,81 @@ class _Walk:
 
     def code_reads(self, code, g: dict, path) -> None:
         names = _names(code)
+        self.names.update(names)
         for name in names:
-            if name not in g:
-                continue
-            v = g[name]
-            where = self.sub("", f"global {name!r}")
-            if isinstance(v, types.ModuleType) and _module_is_user(v):
-                self.leaf(where, "module", id(v))  # `cfg.SCALE`: the attributes the code names
-                d = vars(v)
-                for attr in names:
-                    if attr in d:
-                        self.leaf(where, attr)
-                        self.value(d[attr], self.sub(where, f".{attr}"), 1)
-            else:
-                self.value(v, where, 1)
+            if name in g:
+                self.value(g[name], self.sub("", f"global {name!r}"), 1)
+        if not _OWN_GLOBALS_BY_NAME.isdisjoint(names) and self.once(g, path):
+            self.simple_globals(g, self.sub("", "globals()"))  # `globals()["G"]`
+        if not _ATTRS_BY_NAME.isdisjoint(names):
+            self.by_name = True
+
+    def simple_globals(self, d: dict, path) -> None:
+        """Every scalar global of a module: what code reading globals by a computed name may
+        read (a container or object read that way is not seen)."""
+        for k, x in d.items():
+            if type(x) in _SCALARS or isinstance(x, np.generic):
+                self.leaf(self.sub(path, f"[{k!r}]"), k)
+                self.value(x, self.sub(path, f"[{k!r}]"), 1)
+
+    def user_modules(self) -> None:
+        """The user modules reached (a global, an argument, ``pkg.sub``, ``obj.cfg``): their
+        attributes any walked code names, and all their scalars if some code reads attributes
+        by a computed name. Last, when every name is known; walking them may name more."""
+        done: dict[int, set] = {}
+        by_name = set()
+        grew = True
+        while grew:
+            grew = False
+            for m, path in self.modules:  # grows while walked
+                d = vars(m)
+                seen = done.setdefault(id(m), set())
+                for attr in sorted(n for n in self.names if n in d and n not in seen):
+                    grew = True
+                    seen.add(attr)
+                    self.leaf(path, attr)
+                    self.value(d[attr], self.sub(path, f".{attr}"), 1)
+                if self.by_name and id(m) not in by_name:
+                    grew = True
+                    by_name.add(id(m))
+                    self.simple_globals(d, path)
 
     def user_class(self, cls, path) -> None:
-        """The methods of a class defined in user code read globals too (``forward``)."""
+        """A class defined in user code: its methods read globals too (``forward``; a property's,
+        a staticmethod's and a classmethod's code as well), and its data attributes (``C.S``,
+        ``self.FACTOR``, ``cls.K``) are values like any other."""
         for klass in cls.__mro__:
-            if _class_is_user(klass) and self.once(klass, path):
-                for attr in vars(klass).values():
-                    if type(attr) is types.FunctionType:
-                        self.function(attr, self.sub(path, f" {klass.__name__}.{attr.__name__}"))
+            if not (_class_is_user(klass) and self.once(klass, path)):
+                continue
+            where = self.sub(path, f" {klass.__name__}")
+            for k, attr in vars(klass).items():
+                ta = type(attr)
+                if ta is types.FunctionType:
+                    self.function(attr, self.sub(where, f".{k}"))
+                elif ta is property:
+                    for f in (attr.fget, attr.fset, attr.fdel):
+                        if type(f) is types.FunctionType:
+                            self.function(f, self.sub(where, f".{k}"))
+                elif ta is staticmethod or ta is classmethod:
+                    self.value(attr.__func__, self.sub(where, f".{k}"), 1)
+                elif k[:2] != "__" and not hasattr(ta, "__get__"):  # data, not a descriptor
+                    self.leaf(where, k)
+                    self.value(attr, self.sub(where, f".{k}"), 1)
+
+
+_UNSET = ("unset",)  # a slot never assigned
+
+
+@functools.lru_cache(maxsize=1024)
+def _slots(cls: type) -> tuple[str, ...]:
+    """The ``__slots__`` names along ``cls``'s MRO (a slots dataclass's fields)."""
+    out = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for k in (slots,) if isinstance(slots, str) else slots:
+            if k not in ("__dict__", "__weakref__") and k not in out:
+                out.append(k)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -256,6 +359,7 @@ def _roots(w: _Walk, fn, args, kwargs) -> None:
     for k, a in kwargs.items():
         if not isinstance(a, (TensorMethods, np.ndarray)):
             w.value(a, w.sub("", f"argument {k!r}"), 0)
+    w.user_modules()
 
 
 def fingerprint(fn, args, kwargs, params: frozenset) -> tuple:

@@ -5,7 +5,11 @@ Tensor values (parameters updated by the optimizer, its per-step learning rate) 
 recompile. A numpy conversion of a traced tensor names the user's line."""
 from __future__ import annotations
 
+import collections
+import dataclasses
+import functools
 import sys
+import types
 import warnings
 
 import numpy as np
@@ -165,6 +169,167 @@ def test_a_changed_value_recompiles_once_and_matches_eager(case, kind, monkeypat
     assert compiled.compiles == 2
     values(compiled, args)
     assert compiled.compiles == 2
+
+
+# Values reached other than as a plain global, attribute or container: class attributes, the
+# code of properties and static/class methods, objects without __dict__, containers of other
+# types, modules reached as values, globals read by a computed name, a partial subclass.
+DYNAMIC = 2.0
+
+
+def _user_module(name, **attrs):
+    """A module of user code (as `import cfg`), here without a file of its own."""
+    m = types.ModuleType(name)
+    m.__file__ = __file__
+    vars(m).update(attrs)
+    return m
+
+
+CFG = _user_module("cfg", SCALE=2.0)
+PKG = _user_module("pkg", sub=_user_module("pkg.sub", K=2.0))
+
+
+def class_attribute_of_a_global_class(model, out, x, mp):
+    class C:
+        S = 2.0
+    mp.setitem(vars(THIS), "C_", C)
+    return (lambda x: out(model, x) * C_.S), (x,), lambda: setattr(C, "S", 5.0)  # noqa: F821
+
+
+def class_attribute_through_an_argument(model, out, x, mp):
+    class Obj:
+        S = 2.0
+    return (lambda x, o: out(model, x) * o.S), (x, Obj()), lambda: setattr(Obj, "S", 7.0)
+
+
+def class_attribute_of_a_module(model, out, x, mp):
+    class Factor(Module):
+        FACTOR = 2.0
+
+        def __init__(self):
+            super().__init__()
+            self.body = model
+
+        def forward(self, x):
+            return out(self.body, x) * self.FACTOR
+    return Factor(), (x,), lambda: setattr(Factor, "FACTOR", 3.0)
+
+
+def classmethod_reading_the_class(model, out, x, mp):
+    class Cm:
+        K = 2.0
+
+        @classmethod
+        def f(cls, y):
+            return y * cls.K
+    return (lambda x: Cm.f(out(model, x))), (x,), lambda: setattr(Cm, "K", 6.0)
+
+
+def property_reading_a_global(model, out, x, mp):
+    class P:
+        @property
+        def s(self):
+            return DYNAMIC
+    p = P()
+    return (lambda x: out(model, x) * p.s), (x,), lambda: mp.setattr(THIS, "DYNAMIC", 9.0)
+
+
+def staticmethod_reading_a_global(model, out, x, mp):
+    class St:
+        @staticmethod
+        def f(y):
+            return y * DYNAMIC
+    return (lambda x: St.f(out(model, x))), (x,), lambda: mp.setattr(THIS, "DYNAMIC", 6.0)
+
+
+def slots_dataclass_field(model, out, x, mp):
+    @dataclasses.dataclass(slots=True)
+    class D:
+        s: float = 2.0
+    d = D()
+    return (lambda x: out(model, x) * d.s), (x,), lambda: setattr(d, "s", 3.0)
+
+
+def slots_attribute(model, out, x, mp):
+    class Base:
+        __slots__ = ("s",)
+
+    class Sl(Base):
+        __slots__ = "t"
+
+        def __init__(self):
+            self.s, self.t = 2.0, 1.0
+    o = Sl()
+    return (lambda x: out(model, x) * o.s + o.t), (x,), lambda: setattr(o, "t", 3.0)
+
+
+def simple_namespace(model, out, x, mp):
+    ns = types.SimpleNamespace(s=2.0)
+    return (lambda x: out(model, x) * ns.s), (x,), lambda: setattr(ns, "s", 3.0)
+
+
+def namedtuple_holding_a_list(model, out, x, mp):
+    nt = collections.namedtuple("NT", "a")([2.0])
+    return (lambda x: out(model, x) * nt.a[0]), (x,), lambda: nt.a.__setitem__(0, 6.0)
+
+
+def deque_element(model, out, x, mp):
+    dq = collections.deque([2.0])
+    return (lambda x: out(model, x) * dq[0]), (x,), lambda: dq.__setitem__(0, 6.0)
+
+
+def python_module_argument(model, out, x, mp):
+    return ((lambda x, cfg: out(model, x) * cfg.SCALE), (x, CFG),
+            lambda: mp.setattr(CFG, "SCALE", 3.0))
+
+
+def submodule_of_a_global_package(model, out, x, mp):
+    return (lambda x: out(model, x) * PKG.sub.K), (x,), lambda: mp.setattr(PKG.sub, "K", 5.0)
+
+
+def python_module_through_an_object(model, out, x, mp):
+    holder = types.SimpleNamespace(cfg=CFG)
+    return ((lambda x: out(model, x) * holder.cfg.SCALE), (x,),
+            lambda: mp.setattr(CFG, "SCALE", 11.0))
+
+
+def global_read_through_globals(model, out, x, mp):
+    return ((lambda x: out(model, x) * globals()["DYNAMIC"]), (x,),
+            lambda: mp.setattr(THIS, "DYNAMIC", 3.0))
+
+
+def global_read_by_a_computed_name(model, out, x, mp):
+    return ((lambda x: out(model, x) * getattr(THIS, "DYN" + "AMIC")), (x,),
+            lambda: mp.setattr(THIS, "DYNAMIC", 3.0))
+
+
+def partial_subclass(model, out, x, mp):
+    class MyPartial(functools.partial):
+        pass
+    holder = {"f": MyPartial(lambda y, s: y * s, s=2.0)}
+    return ((lambda x: holder["f"](out(model, x))), (x,),
+            lambda: holder.__setitem__("f", MyPartial(lambda y, s: y * s, s=3.0)))
+
+
+def deeply_nested_list(model, out, x, mp):  # ten levels: within MAX_DEPTH
+    deep = [[[[[[[[[[2.0]]]]]]]]]]
+    inner = deep[0][0][0][0][0][0][0][0][0]
+    return ((lambda x: out(model, x) * deep[0][0][0][0][0][0][0][0][0][0]), (x,),
+            lambda: inner.__setitem__(0, 5.0))
+
+
+REACHED = [class_attribute_of_a_global_class, class_attribute_through_an_argument,
+           class_attribute_of_a_module, classmethod_reading_the_class, property_reading_a_global,
+           staticmethod_reading_a_global, slots_dataclass_field, slots_attribute,
+           simple_namespace, namedtuple_holding_a_list, deque_element, python_module_argument,
+           submodule_of_a_global_package, python_module_through_an_object,
+           global_read_through_globals, global_read_by_a_computed_name, partial_subclass,
+           deeply_nested_list]
+
+
+@pytest.mark.parametrize("case", REACHED, ids=[c.__name__ for c in REACHED])
+def test_a_value_reached_any_way_recompiles_when_changed(case, monkeypatch):
+    test_a_changed_value_recompiles_once_and_matches_eager(case, "mlp", monkeypatch)
 
 
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])

@@ -143,6 +143,85 @@ def test_a_crashed_saves_own_partial_folder_is_removed(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["LATEST", "v3"]
 
 
+def _link_latest(root, outside):
+    (outside / "mine").write_text("v1")  # even holding a version's name
+    (root / "LATEST").symlink_to(outside / "mine")
+
+
+FOREIGN_LATEST = [  # (name, make(root, outside), what the error says of it)
+    ("another tool's", lambda r, o: (r / "LATEST").write_text("global_step500\n"),
+     r"LATEST holds b'global_step500\\n', not the name of a version folder"),
+    ("empty", lambda r, o: (r / "LATEST").write_text(""), r"LATEST holds b''"),
+    ("a symlink", _link_latest, r"LATEST is a symlink"),
+    ("a folder", lambda r, o: (r / "LATEST").mkdir(), r"LATEST is not a regular file"),
+]
+
+
+@pytest.mark.parametrize("make,pattern", [c[1:] for c in FOREIGN_LATEST],
+                         ids=[c[0] for c in FOREIGN_LATEST])
+def test_a_save_never_replaces_a_latest_it_did_not_write(tmp_path, make, pattern):
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    make(root, outside)
+    before, before_outside = snapshot(root), snapshot(outside)
+    with pytest.raises(CheckpointError, match=r"checkpoint\.save: .*" + pattern + r".* A save "
+                       r"never replaces a LATEST it did not write: save to another folder\."):
+        dtensor.checkpoint.save(state(1.0), root)
+    assert snapshot(root) == before and snapshot(outside) == before_outside
+
+
+def _user_checkpoint(folder):
+    saved(folder / "mine", scale=3.0, step=3)
+
+
+USER_DATA_IN_VERSIONS = [  # (name, folder of ours, what the user puts in it)
+    ("notes in an old version", "v1", lambda f: (f / "NOTES.txt").write_text("run notes")),
+    ("a checkpoint in an old version", "v1", _user_checkpoint),
+    ("a folder named like a shard", "v1", lambda f: (f / "rank0.npz").rename(f / "x") or
+     (f / "rank0.npz").mkdir()),
+    ("notes in a crashed save's folder", "v2.partial",
+     lambda f: (f / "NOTES.txt").write_text("run notes")),
+]
+
+
+@pytest.mark.parametrize("folder,put", [c[1:] for c in USER_DATA_IN_VERSIONS],
+                         ids=[c[0] for c in USER_DATA_IN_VERSIONS])
+def test_a_save_removes_only_the_files_a_save_wrote(tmp_path, folder, put):
+    saved(tmp_path)
+    f = tmp_path / folder
+    if folder.endswith(".partial"):  # what a save killed mid-way leaves: marker first
+        f.mkdir()
+        (f / ".dtensor-checkpoint").write_text("dtensor-checkpoint")
+        (f / "rank0.npz").write_bytes(b"half")
+    ours = set(os.listdir(f)) - {".dtensor-checkpoint"}
+    put(f)
+    users = {k: v for k, v in snapshot(f).items() if k.split("/")[0] not in ours}
+    dtensor.checkpoint.save(state(2.0, 2), tmp_path)
+    dtensor.checkpoint.save(state(4.0, 4), tmp_path)  # and the next save leaves them too
+    left = snapshot(f)
+    assert {k: left.get(k) for k in users} == users
+    assert set(left) - set(users) == {".dtensor-checkpoint"} - set(users)  # ours went
+    if (f / "mine").exists():
+        st = state()
+        dtensor.checkpoint.load(st, f / "mine")
+        assert st["step"] == 3
+
+
+@pytest.mark.parametrize("env,several", [
+    ({}, False), ({"WORLD_SIZE": "2"}, True), ({"PMI_SIZE": "2"}, True),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, True), ({"PMI_SIZE": "1"}, False),
+    ({"WORLD_SIZE": "two"}, False),
+], ids=["none", "WORLD_SIZE", "MPICH PMI_SIZE", "Open MPI", "PMI_SIZE 1", "garbage"])
+def test_a_launchers_world_size_makes_save_collective(monkeypatch, env, several):
+    from dtensor.checkpoint import _LAUNCHER_SIZES, _several_ranks
+    for name in _LAUNCHER_SIZES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _several_ranks() is several
+
+
 def test_save_onto_a_file_names_the_path(tmp_path):
     path = tmp_path / "model.bin"
     path.write_bytes(b"the user's file")
@@ -786,3 +865,50 @@ def test_a_save_that_fails_midway_keeps_the_previous_checkpoint(comm, rank, tmp_
     w, b, step = _dvalues(st)
     np.testing.assert_array_equal(w, W)
     assert step == 1
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_a_plain_tensor_save_under_bare_mpiexec_is_collective(comm, rank, tmp_path, monkeypatch):
+    from dtensor.checkpoint import _LAUNCHER_SIZES
+    for name in _LAUNCHER_SIZES:  # what `mpiexec -n 2 python ...` with no launcher env sees
+        monkeypatch.delenv(name, raising=False)
+    for i in range(3):  # racing ranks deleted each other's versions
+        st = {"w": dtensor.tensor(np.full(4, 10 * i + rank, np.float32)), "step": i}
+        assert dtensor.checkpoint.save(st, tmp_path) == f"v{i + 1}"
+    comm.barrier()
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "v3"]
+    st = {"w": dtensor.tensor(np.zeros(4, np.float32)), "step": 0}
+    dtensor.checkpoint.load(st, tmp_path)
+    np.testing.assert_array_equal(st["w"].numpy(), np.full(4, 20.0))  # rank 0's
+    assert st["step"] == 2
+
+
+LOCAL_FAILURES = [  # (call, helper failing on rank 1 between collectives, error)
+    ("save", "_crc", MemoryError("no memory for the checksum")),
+    ("save", "_my_block", RuntimeError("the local block failed")),
+    ("save", "_jsonable", TypeError("a value that is not JSON")),
+    ("load", "_crc", MemoryError("no memory for the checksum")),
+    ("load", "_target_block", RuntimeError("the local block failed")),
+]
+
+
+@pytest.mark.ranks(2, timeout=120)
+@pytest.mark.parametrize("call,helper,error", LOCAL_FAILURES,
+                         ids=[f"{c} {h}" for c, h, _ in LOCAL_FAILURES])
+def test_a_local_failure_between_collectives_reaches_every_rank_at_once(
+        comm, rank, tmp_path, monkeypatch, call, helper, error):
+    dtensor.checkpoint.save(_dstate(scale=1.0, step=1), tmp_path)
+    st = _dstate(scale=2.0, step=2) if call == "save" else _dstate()
+    if rank == 1:
+        def fail(*args, **kwargs):
+            raise error
+        monkeypatch.setattr(dtensor.checkpoint, helper, fail)
+    t = time.perf_counter()
+    with pytest.raises(type(error), match=rf"checkpoint\.{call} failed on rank 1: ") as info:
+        getattr(dtensor.checkpoint, call)(st, tmp_path)
+    assert time.perf_counter() - t < 5  # not DTENSOR_COLLECTIVE_TIMEOUT (120 s)
+    _same_everywhere(comm, info.value)
+    comm.barrier()
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "v1"]
+    if call == "load":
+        assert not _dvalues(st)[0].any() and st["step"] == 0

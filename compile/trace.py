@@ -41,12 +41,15 @@ def user_line() -> str:
     return "<unknown>"
 
 
+def _data_dependent_message(what: str) -> str:
+    return (f"dtensor.compile: {what} needs a value the traced graph only knows at run time, "
+            f"at {user_line()}. Python control flow and conversions must not depend on tensor "
+            f"values inside a compiled function: use dtensor.where(...) for a data-dependent "
+            f"choice, and read .item() on what the compiled function returns.")
+
+
 def _data_dependent(what: str):
-    raise TracingError(
-        f"dtensor.compile: {what} needs a value the traced graph only knows at run time, at "
-        f"{user_line()}. Python control flow and conversions must not depend on tensor values "
-        f"inside a compiled function: use dtensor.where(...) for a data-dependent choice, and "
-        f"read .item() on what the compiled function returns.")
+    raise TracingError(_data_dependent_message(what))
 
 
 class Traced:
@@ -101,8 +104,58 @@ class Traced:
     def __array_function__(self, *a, **k):
         _data_dependent("a numpy function on a tensor's data")
 
+    def __iter__(self):
+        _data_dependent("iterating over a tensor's data")
+
+    def __getitem__(self, index):
+        _data_dependent("indexing a tensor's data (.numpy() / .data)")
+
+    def __setitem__(self, index, value):
+        _data_dependent("writing into a tensor's data (.numpy() / .data)")
+
+    def __getattr__(self, name):
+        # Reached only for what a numpy array has and a tracer not (``t.numpy().sum()``).
+        # Also an AttributeError: hasattr() and numpy's protocol probes keep working.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _NumpyUse(_data_dependent_message(f"numpy's .{name} on a tensor's data "
+                                                f"(.numpy() / .data)"))
+
+    __hash__ = object.__hash__  # identity, as the dicts the tracer keeps need
+
     def __repr__(self) -> str:
         return f"Traced({self.node!r}, {self.shape}, {self.dtype})"
+
+
+class _NumpyUse(TracingError, AttributeError):
+    """A numpy attribute of a tracer (it has only shape and dtype)."""
+
+
+_SYMBOLS = dict(eq="==", ne="!=", lt="<", le="<=", gt=">", ge=">=", add="+", sub="-", mul="*",
+                truediv="/", floordiv="//", mod="%", pow="**", matmul="@", and_="&", or_="|",
+                xor="^", lshift="<<", rshift=">>", neg="unary -", pos="unary +", invert="~")
+
+
+def _numpy_operator(name: str):
+    base = name.removeprefix("r") if name not in ("round", "rshift") else name
+    base = base.removeprefix("i") if base not in ("invert",) else base
+    shown = _SYMBOLS.get(base, _SYMBOLS.get(base + "_", f"{base}()"))
+
+    def refuse(self, *other):
+        _data_dependent(f"'{shown}' on a tensor's data (.numpy() / .data); use the tensor "
+                        f"itself, whose operators are traced")
+    refuse.__name__ = f"__{name}__"
+    return refuse
+
+
+# Comparison and arithmetic on a tracer would otherwise fall back to identity (``==``) or a
+# TypeError eager numpy never raises: a data-dependent mask became a constant silently.
+for _op in ("eq ne lt le gt ge add radd sub rsub mul rmul truediv rtruediv floordiv rfloordiv "
+            "mod rmod pow rpow matmul rmatmul and rand or ror xor rxor lshift rlshift rshift "
+            "rrshift divmod rdivmod neg pos abs invert iadd isub imul itruediv ifloordiv imod "
+            "ipow imatmul iand ior ixor round").split():
+    setattr(Traced, f"__{_op}__", _numpy_operator(_op))
+del _op
 
 
 _ACTIVE: "Tracer | None" = None

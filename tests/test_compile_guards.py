@@ -456,6 +456,42 @@ def test_numpy_conversion_of_a_traced_tensor_names_the_line(convert, line):
         dtensor.compile(convert)(dtensor.ones(3))
 
 
+# A tracer handed out by .numpy() / .data has shape and dtype only: any numpy-style use of it
+# names the line (a comparison fell back to identity: a mask became a constant silently).
+TRACER_USES = [
+    ("== on .numpy()", lambda t: (t + 1) * (t.numpy() == 0), r"'==' on a tensor's data"),
+    ("!= on .data", lambda t: t * (t.data != t.data), r"'!=' on a tensor's data"),
+    ("< on .numpy()", lambda t: t * (t.numpy() < 1), r"'<' on a tensor's data"),
+    ("number + .numpy()", lambda t: t * (1 + t.numpy()), r"'\+' on a tensor's data"),
+    (".numpy() * .numpy()", lambda t: t * (t.numpy() * t.numpy()), r"'\*' on a tensor's data"),
+    ("-.data", lambda t: t * -t.data, r"'unary -' on a tensor's data"),
+    (".numpy().sum()", lambda t: t * t.numpy().sum(), r"numpy's \.sum on a tensor's data"),
+    (".data.copy()", lambda t: t * t.data.copy(), r"numpy's \.copy on a tensor's data"),
+    ("np.add(.numpy(), 1)", lambda t: t * np.add(t.numpy(), 1), "a numpy function"),
+    ("np.sum(.data)", lambda t: t * np.sum(t.data), "a numpy function"),
+    ("iterating .numpy()", lambda t: t * list(t.numpy())[0], "iterating over a tensor's data"),
+    ("indexing .numpy()", lambda t: t * t.numpy()[0], "indexing a tensor's data"),
+    ("bool(.numpy())", lambda t: t * (2.0 if t[0, 0].numpy() else 1.0), r"bool\(tensor\)"),
+]
+
+
+@pytest.mark.parametrize("name,fn,why", TRACER_USES, ids=[u[0] for u in TRACER_USES])
+def test_numpy_use_of_a_traced_tensors_data_names_the_line(name, fn, why):
+    x = dtensor.tensor(np.arange(8, dtype=np.float32).reshape(2, 4))
+    fn(x)  # eager runs it
+    with pytest.raises(dtensor.compile.TracingError,
+                       match=why + r".*test_compile_guards\.py:\d+: "):
+        dtensor.compile(fn)(x)
+
+
+def test_shape_reads_of_a_traced_tensors_data_still_work():
+    def fn(t):
+        d = t.numpy()
+        return t * (len(d) + d.shape[1] + d.ndim + d.size) + (d.dtype == np.float32)
+    x = dtensor.tensor(np.arange(8, dtype=np.float32).reshape(2, 4))
+    np.testing.assert_array_equal(dtensor.compile(fn)(x).numpy(), fn(x).numpy())
+
+
 @pytest.mark.ranks(2, timeout=300)
 def test_a_parallelized_model_recompiles_on_every_rank(rank):
     """Tensor-parallel GPT (DTensor parameters, the styles' hooks): a changed global recompiles

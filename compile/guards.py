@@ -270,10 +270,16 @@ class _Walk:
     def simple_globals(self, d: dict, path) -> None:
         """Every scalar global of a module: what code reading globals by a computed name may
         read (a container or object read that way is not seen)."""
+        fast, out = self.leaves is None, self.out
         for k, x in d.items():
-            if type(x) in _SCALARS or isinstance(x, np.generic):
-                self.leaf(self.sub(path, f"[{k!r}]"), k)
-                self.value(x, self.sub(path, f"[{k!r}]"), 1)
+            t = type(x)
+            if t in _SCALARS:
+                if fast:  # inline: a module may hold hundreds
+                    out += (k, t, x if x == x else "nan")
+                else:
+                    self.leaf(f"{path}[{k!r}]", k, t, x if x == x else "nan")
+            elif isinstance(x, np.generic):
+                self.leaf(self.sub(path, f"[{k!r}]"), k, t, x.tobytes())
 
     def user_modules(self) -> None:
         """The user modules reached (a global, an argument, ``pkg.sub``, ``obj.cfg``): their

@@ -197,12 +197,17 @@ def _splitmix64_mix(z: int) -> int:
 
 
 def manual_seed(seed: int) -> None:
-    """Set the user seed (taken mod 2**64) and reset the stream counter to 0.
+    """Set the user seed (taken mod 2**64; in [-2**63, 2**64), as PyTorch) and reset the
+    stream counter to 0.
 
     Every rank must call this with the same seed so they agree on keys.
     """
     global _seed, _stream
-    _seed = as_int(seed, "manual_seed: seed") & _MASK64
+    seed = as_int(seed, "manual_seed: seed", low=-(1 << 63))
+    if seed > _MASK64:  # the Philox key holds 64 bits: a larger seed would alias a smaller one
+        raise ValueError(f"manual_seed: seed must lie in [-2**63, 2**64), got {seed}; the "
+                         f"generator's key holds 64 bits.")
+    _seed = seed & _MASK64
     _stream = 0
 
 

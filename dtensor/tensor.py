@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import builtins
 import math
+import numbers
+import reprlib
 import sys
 from typing import Any, Sequence
 
@@ -17,10 +19,11 @@ from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import registry
 from dtensor.ops import structural as st
-from dtensor.validate import as_dim, as_int, as_real, as_shape
+from dtensor.validate import as_bool, as_dim, as_int, as_real, as_shape
 
 __all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like", "ones_like",
-           "arange", "rand", "randn", "cat", "where", "resolve_dtype", "DTYPES"]
+           "arange", "rand", "randn", "cat", "where", "resolve_dtype", "float_dtype", "fill_value",
+           "DTYPES"]
 
 DTYPES = {name: np.dtype(name) for name in
           ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")}
@@ -29,13 +32,54 @@ DTYPES = {name: np.dtype(name) for name in
 def resolve_dtype(dtype) -> np.dtype:
     """A numpy dtype from a name, numpy type or dtype; a clear TypeError otherwise."""
     try:
-        dt = np.dtype(dtype)
+        dt = None if dtype is None else np.dtype(dtype)  # np.dtype(None) is float64
     except TypeError:
         dt = None
     if dt is None or dt.name not in DTYPES:
         raise TypeError(f"invalid dtype {dtype!r}; use one of {', '.join(DTYPES)} "
                         f"(for example dtensor.float32 or 'float32').")
     return dt
+
+
+def float_dtype(dtype, what: str) -> np.dtype:
+    """A floating dtype (float32 for None): what random factories and parameters hold. An
+    integer or bool dtype would round every draw to 0 or 1 silently."""
+    dt = np.dtype(np.float32) if dtype is None else resolve_dtype(dtype)
+    if dt.kind != "f":
+        raise TypeError(f"{what}: dtype must be floating point (float16, float32 or float64), "
+                        f"got {dt}. Draw floats and cast: .astype({str(dt)!r}).")
+    return dt
+
+
+def fill_value(value, what: str):
+    """A fill value: a Python or numpy number (not a string, list or tensor)."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, numbers.Real):
+        return value
+    raise TypeError(f"{what}: the fill value must be a number, got {reprlib.repr(value)} (a "
+                    f"{type(value).__name__}).")
+
+
+def _operand_error(op: str, value) -> TypeError:
+    return TypeError(f"{op}: operand {reprlib.repr(value)} (a {type(value).__name__}) is not a "
+                     f"tensor; tensor ops take tensors, numpy arrays and Python numbers.")
+
+
+def _bool_mask(mask, op: str) -> None:
+    """PyTorch's masks and where conditions are bool: a float mask of 0.5s would select by
+    truthiness, silently."""
+    dt = getattr(mask, "dtype", None)
+    if dt is None or np.dtype(dt) != np.bool_:
+        got = f"dtype {dt}" if dt is not None else f"{reprlib.repr(mask)} (a " \
+            f"{type(mask).__name__})"
+        raise TypeError(f"{op}: the mask must be a bool tensor, got {got}; build one with a "
+                        f"comparison (x > 0) or .astype(bool).")
+
+
+def _keep(keepdims, keepdim) -> bool:
+    """``keepdim`` (PyTorch's name) if given, else ``keepdims``, checked as flags."""
+    if keepdim is not None:
+        return as_bool(keepdim, "keepdim")
+    return as_bool(keepdims, "keepdims")
 
 
 def _axes(axis, ndim: int) -> tuple[int, ...]:
@@ -96,6 +140,10 @@ def _index(key, shape: tuple) -> tuple:
             except TypeError:
                 raise TypeError(f"slice {k!r} in index {key!r}: slice bounds and step must be "
                                 f"integers or None.") from None
+            if out[-1][2] <= 0:  # numpy would reverse; PyTorch refuses, and so do the rules
+                raise ValueError(f"slice {k!r} in index {key!r}: step must be greater than "
+                                 f"zero; to reverse a dim, index it with a positive step and "
+                                 f"flip the result another way.")
             d += 1
         elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
             if not -shape[d] <= k < shape[d]:
@@ -183,12 +231,13 @@ class TensorMethods:
     def double(self): return self.astype(np.float64)
 
     def masked_fill(self, mask, value):
+        _bool_mask(mask, "masked_fill")
         return pw.where(mask, value, self)
 
     # -- reductions (``dim`` is accepted as PyTorch's name for ``axis``)
     def sum(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
-        axis, keepdims = (dim if dim is not None else axis), (keepdim or keepdims)
-        return st.sum(self, axis=_axes(axis, self.ndim), keepdims=builtins.bool(keepdims))
+        axis, keepdims = (dim if dim is not None else axis), _keep(keepdims, keepdim)
+        return st.sum(self, axis=_axes(axis, self.ndim), keepdims=keepdims)
 
     def mean(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
         axis = _axes(dim if dim is not None else axis, self.ndim)
@@ -196,20 +245,25 @@ class TensorMethods:
         # float16 sums and divides in float32 before rounding back (as PyTorch): 100,000
         # values of 1000 sum past float16's 65504, their mean does not.
         x = self.astype(st.accumulate_dtype(self.dtype))
-        m = x.sum(axis, keepdims or keepdim) / n
+        m = x.sum(axis, _keep(keepdims, keepdim)) / n
         return m if x is self else m.astype(self.dtype)
 
     def var(self, axis=None, keepdims=False, *, correction=1, dim=None, keepdim=None):
         axis = _axes(dim if dim is not None else axis, self.ndim)
         n = math.prod([self.shape[a] for a in axis])
+        correction = as_real(correction, "var: correction")
         x = self.astype(st.accumulate_dtype(self.dtype))  # float16: each d * d too (d ~ 256)
         d = x - x.mean(axis, keepdims=True)
-        v = (d * d).sum(axis, keepdims or keepdim) / builtins.max(n - correction, 1)
+        s = (d * d).sum(axis, _keep(keepdims, keepdim))
+        if n - correction > 0:
+            v = s / (n - correction)
+        else:  # as PyTorch: a sum over no degrees of freedom is inf (nan for 0 / 0)
+            v = pw.where(s > 0, s + math.inf, s + math.nan)
         return v if x is self else v.astype(self.dtype)
 
     def max(self, axis=None, keepdims=False, *, dim=None, keepdim=None):
-        axis, keepdims = (dim if dim is not None else axis), (keepdim or keepdims)
-        return st.max(self, axis=_axes(axis, self.ndim), keepdims=builtins.bool(keepdims))
+        axis, keepdims = (dim if dim is not None else axis), _keep(keepdims, keepdim)
+        return st.max(self, axis=_axes(axis, self.ndim), keepdims=keepdims)
 
     def amax(self, axis=None, keepdims=False):
         return self.max(axis, keepdims)
@@ -343,9 +397,15 @@ class TensorMethods:
 
     # -- autograd
     def backward(self, gradient=None, retain_graph: bool = False) -> None:
-        autograd.backward(self, gradient, retain_graph)
+        if gradient is not None and not isinstance(gradient, (TensorMethods, np.ndarray,
+                                                               numbers.Real)):
+            raise TypeError(f"backward: gradient must be a tensor of shape "
+                            f"{tuple(self.shape)} (or None for a scalar), got "
+                            f"{reprlib.repr(gradient)} (a {type(gradient).__name__}).")
+        autograd.backward(self, gradient, as_bool(retain_graph, "backward: retain_graph"))
 
     def requires_grad_(self, requires_grad: bool = True):
+        requires_grad = as_bool(requires_grad, "requires_grad")
         if requires_grad and not np.issubdtype(self.dtype, np.floating):
             raise TypeError(f"only floating-point tensors can require gradients, this one is "
                             f"{self.dtype}; cast it first (.float()).")
@@ -377,7 +437,11 @@ class Tensor(TensorMethods):
     def __init__(self, data: Any, requires_grad: bool = False, dtype=None):
         if isinstance(data, TensorMethods):
             data = data.numpy()
-        arr = np.asarray(data)
+        try:
+            arr = np.asarray(data)
+        except ValueError:
+            raise ValueError(f"cannot make a tensor from {reprlib.repr(data)}: the nested lists "
+                             f"are ragged; every row must have the same length.") from None
         if dtype is not None:
             arr = arr.astype(resolve_dtype(dtype), copy=False)
         elif arr.dtype == np.float64 and not isinstance(data, np.ndarray):
@@ -389,7 +453,7 @@ class Tensor(TensorMethods):
         self.grad = None
         self._node = None
         self.requires_grad = False
-        if requires_grad:
+        if as_bool(requires_grad, "requires_grad"):
             self.requires_grad_(True)
 
     @staticmethod
@@ -416,8 +480,15 @@ class Tensor(TensorMethods):
     def numpy(self) -> np.ndarray:
         return self.data
 
+    def _scalar(self, what: str):
+        if type(self.data) is np.ndarray and self.data.size != 1:
+            raise RuntimeError(f"{what}: a tensor of shape {tuple(self.shape)} has "
+                               f"{self.data.size} elements, not one; reduce it first (.sum(), "
+                               f".max()) or index one element.")
+        return self.data
+
     def item(self):
-        return self.data.item()
+        return self._scalar("item()").item()
 
     def tolist(self):
         return self.data.tolist()
@@ -428,7 +499,7 @@ class Tensor(TensorMethods):
                                                                                     dtype=dtype)
 
     def __float__(self) -> float:
-        return float(self.data)
+        return float(self._scalar("float()"))
 
     def __bool__(self) -> bool:
         return builtins.bool(self.data)
@@ -498,7 +569,7 @@ class Tensor(TensorMethods):
         return self.copy_(rand(*self.shape, dtype=self.dtype) * (b - a) + a)
 
     def fill_(self, value) -> "Tensor":
-        self.data = np.full_like(self.data, value)
+        self.data = np.full_like(self.data, fill_value(value, "fill_"))
         return self
 
     def __repr__(self) -> str:
@@ -515,10 +586,24 @@ registry._wrap = Tensor._wrap
 
 def matmul(x, y):
     """Matrix product with numpy semantics (1-D operands are promoted and squeezed back)."""
+    for v in (x, y):
+        if not isinstance(v, (TensorMethods, np.ndarray)):
+            raise _operand_error("matmul", v)
+    xs, ys = tuple(x.shape), tuple(y.shape)
     if x.ndim == 0 or y.ndim == 0:
         raise ValueError(f"matmul: both operands need at least one dim, got shapes "
-                         f"{tuple(x.shape)} @ {tuple(y.shape)}; multiply by a 0-d tensor with "
-                         f"`*` instead.")
+                         f"{xs} @ {ys}; multiply by a 0-d tensor with `*` instead.")
+    # Checked on the user's shapes: after 1-d promotion numpy would report (1, 3) @ (4, 1).
+    inner = ys[0] if y.ndim == 1 else ys[-2]
+    if xs[-1] != inner:
+        raise ValueError(f"matmul: shapes {xs} @ {ys} do not fit ({xs[-1]} != {inner}): the "
+                         f"left operand's last dim must equal the right one's "
+                         f"{'only' if y.ndim == 1 else 'second-last'} dim.")
+    try:
+        np.broadcast_shapes(xs[:-2], ys[:-2])
+    except ValueError:
+        raise ValueError(f"matmul: shapes {xs} @ {ys}: the batch dims {xs[:-2]} and {ys[:-2]} "
+                         f"do not broadcast (each dim must match or be 1).") from None
     xv, yv = x.ndim == 1, y.ndim == 1
     if xv:
         x = x.reshape(1, -1)
@@ -548,6 +633,17 @@ def _factory_dtype(dtype):
     return np.dtype(np.float32) if dtype is None else resolve_dtype(dtype)
 
 
+def _allocate(make, shape, dtype, op: str) -> np.ndarray:
+    """``make()``, with numpy's MemoryError turned into one naming the shape and the bytes."""
+    try:
+        return make()
+    except MemoryError:
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        raise MemoryError(f"{op}: a tensor of shape {shape} and dtype {np.dtype(dtype)} needs "
+                          f"{nbytes:,} bytes ({nbytes / 2**30:,.1f} GiB), more than this "
+                          f"machine can allocate; check the sizes.") from None
+
+
 def _distributed(name, *args, **kwargs):
     """The DTensor version of a factory, when device_mesh= and placements= are given."""
     from dtensor import dtensor as dt
@@ -562,14 +658,18 @@ def zeros(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, pla
     if device_mesh is not None or placements is not None:
         return _distributed("zeros", *shape, dtype=dtype, requires_grad=requires_grad,
                             device_mesh=device_mesh, placements=placements)
-    return Tensor(np.zeros(_shape_arg(shape), _factory_dtype(dtype)), requires_grad)
+    shape, dtype = _shape_arg(shape), _factory_dtype(dtype)
+    return Tensor(_allocate(lambda: np.zeros(shape, dtype), shape, dtype, "zeros"),
+                  requires_grad)
 
 
 def ones(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
     if device_mesh is not None or placements is not None:
         return _distributed("ones", *shape, dtype=dtype, requires_grad=requires_grad,
                             device_mesh=device_mesh, placements=placements)
-    return Tensor(np.ones(_shape_arg(shape), _factory_dtype(dtype)), requires_grad)
+    shape, dtype = _shape_arg(shape), _factory_dtype(dtype)
+    return Tensor(_allocate(lambda: np.ones(shape, dtype), shape, dtype, "ones"),
+                  requires_grad)
 
 
 def full(shape: Sequence[int], value, dtype=None, requires_grad: bool = False, device_mesh=None,
@@ -577,14 +677,25 @@ def full(shape: Sequence[int], value, dtype=None, requires_grad: bool = False, d
     if device_mesh is not None or placements is not None:
         return _distributed("full", shape, value, dtype=dtype, requires_grad=requires_grad,
                             device_mesh=device_mesh, placements=placements)
-    return Tensor(np.full(_shape_arg((shape,)), value, _factory_dtype(dtype)), requires_grad)
+    shape, dtype, value = _shape_arg((shape,)), _factory_dtype(dtype), fill_value(value, "full")
+    return Tensor(_allocate(lambda: np.full(shape, value, dtype), shape, dtype, "full"),
+                  requires_grad)
+
+
+def _like(t, op: str):
+    if not isinstance(t, (TensorMethods, np.ndarray)):
+        raise TypeError(f"{op} takes a tensor (or numpy array) to copy the shape and dtype of, "
+                        f"got {reprlib.repr(t)} (a {type(t).__name__}).")
+    return t
 
 
 def zeros_like(t, dtype=None) -> Tensor:
+    t = _like(t, "zeros_like")
     return zeros(*t.shape, dtype=dtype or t.dtype)
 
 
 def ones_like(t, dtype=None) -> Tensor:
+    t = _like(t, "ones_like")
     return ones(*t.shape, dtype=dtype or t.dtype)
 
 
@@ -592,11 +703,15 @@ def arange(start, stop=None, step=1, dtype=None) -> Tensor:
     if stop is None:
         start, stop = 0, start
     for name, v in (("start", start), ("end", stop), ("step", step)):
-        as_real(v, f"arange: {name}")
+        if not math.isfinite(as_real(v, f"arange: {name}")):
+            raise ValueError(f"arange: {name} must be finite, got arange({start}, {stop}, "
+                             f"{step}).")
     if step == 0:
         raise ValueError(f"arange: step must not be 0, got arange({start}, {stop}, {step}).")
-    return Tensor(np.arange(start, stop, step, dtype=None if dtype is None else
-                            resolve_dtype(dtype)))
+    dt = None if dtype is None else resolve_dtype(dtype)
+    n = builtins.max(math.ceil((stop - start) / step), 0)
+    return Tensor(_allocate(lambda: np.arange(start, stop, step, dtype=dt), (n,),
+                            np.float64 if dt is None else dt, f"arange({start}, {stop}, {step})"))
 
 
 def _template(shape) -> Tensor:
@@ -608,8 +723,9 @@ def _random(op, shape, dtype, requires_grad, device_mesh, placements):
     if device_mesh is not None or placements is not None:
         return _distributed(op.name, *shape, dtype=dtype, requires_grad=requires_grad,
                             device_mesh=device_mesh, placements=placements)
-    out = op(_template(_shape_arg(shape)), key=random.next_key(), dtype=_factory_dtype(dtype))
-    return out.requires_grad_() if requires_grad else out
+    dtype = float_dtype(dtype, f"dtensor.{op.name}")
+    out = op(_template(_shape_arg(shape)), key=random.next_key(), dtype=dtype)
+    return out.requires_grad_() if as_bool(requires_grad, "requires_grad") else out
 
 
 def rand(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
@@ -650,4 +766,5 @@ def cat(tensors: Sequence, dim: int = 0):
 
 
 def where(condition, x, y):
+    _bool_mask(condition, "where")
     return pw.where(condition, x, y)

@@ -1,5 +1,5 @@
 """Argument checks shared by the public entry points: an integer, a real number in a range, a
-dim of a shape, a shape.
+flag, a dim of a shape, a shape.
 
 Each raises TypeError for the wrong kind of value and ValueError (IndexError for a dim, as
 PyTorch) for a wrong value, naming the value, what it was for and the fix, so a bad argument
@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["as_int", "as_real", "as_dim", "as_shape"]
+__all__ = ["as_int", "as_real", "as_bool", "as_dim", "as_shape"]
 
 
 def _tail(fix: str) -> str:
@@ -64,6 +64,15 @@ def as_real(value, what: str, *, low: float | None = None, high: float | None = 
         hi = "inf)" if high is None else f"{high:g}{')' if high_open else ']'}"
         raise ValueError(f"{what} must lie in {lo}, {hi}, got {value!r}.{_tail(fix)}")
     return out
+
+
+def as_bool(value, what: str, *, fix: str = "") -> bool:
+    """``value`` as a bool: True or False (a numpy bool too), nothing merely truthy: "no" or
+    "False" would otherwise switch a flag on."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{what} must be True or False, got {value!r} ({_kind(value)})."
+                    f"{_tail(fix)}")
 
 
 def as_dim(dim, shape: Sequence[int] | int, *, op: str = "", what: str = "dim",

@@ -6,6 +6,8 @@ matters for the gradient (a max subtracted for stability, a mask) a comment says
 from __future__ import annotations
 
 import math
+import numbers
+import reprlib
 
 import numpy as np
 
@@ -13,11 +15,47 @@ from dtensor import random
 from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
-from dtensor.tensor import as_tensor
-from dtensor.validate import as_dim, as_int, as_real, as_shape
+from dtensor.tensor import TensorMethods, as_tensor
+from dtensor.validate import as_bool, as_dim, as_int, as_real, as_shape
 
 __all__ = ["relu", "gelu", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm", "dropout",
            "embedding", "linear", "cross_entropy", "scaled_dot_product_attention"]
+
+def _input(x, op: str, what: str = "input"):
+    """``x`` as a tensor: tensors pass, numpy arrays, nested lists and numbers are converted
+    (as a numpy array is everywhere), anything else is named."""
+    if isinstance(x, TensorMethods):
+        return x
+    if isinstance(x, (np.ndarray, list, tuple, numbers.Number)) and not isinstance(x, bool):
+        return as_tensor(x)
+    raise TypeError(f"{op}: {what} must be a tensor (or a numpy array), got {reprlib.repr(x)} "
+                    f"(a {type(x).__name__}).")
+
+
+def _floating(x, op: str, what: str = "input"):
+    """Ops whose result is fractional (normalisation, exp, erf) need a floating input: numpy
+    would fail casting its float result back to an integer dtype."""
+    x = _input(x, op, what)
+    if np.dtype(x.dtype).kind != "f":
+        raise TypeError(f"{op}: {what} must be floating point, got dtype {x.dtype}; cast it "
+                        f"first (x.float()).")
+    return x
+
+
+def _eps(eps, op: str) -> float:
+    return as_real(eps, f"{op}: eps", low=0, fix="eps keeps the division away from zero.")
+
+
+def _param(t, shape: tuple, op: str, what: str, fix: str):
+    """A weight or bias of exactly ``shape``; a wrong one would broadcast or fail in a mul."""
+    if t is None:
+        return None
+    t = _input(t, op, what)
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {what} has shape {tuple(t.shape)}, expected {tuple(shape)}. "
+                         f"{fix}")
+    return t
+
 
 def relu(x):
     return x.relu()
@@ -27,7 +65,7 @@ def gelu(x, approximate: str = "none"):
     """GELU: exact ``0.5 x (1 + erf(x / sqrt 2))`` or, with approximate="tanh", the tanh form."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}.")
-    return nnops.gelu(x, approximate=approximate)
+    return nnops.gelu(_floating(x, "gelu"), approximate=approximate)
 
 
 def silu(x):
@@ -45,11 +83,11 @@ def _over_last_dim(op, x, dim, **params):
 
 
 def softmax(x, dim: int = -1):
-    return _over_last_dim(nnops.softmax, x, dim, causal=False)
+    return _over_last_dim(nnops.softmax, _floating(x, "softmax"), dim, causal=False)
 
 
 def log_softmax(x, dim: int = -1):
-    return _over_last_dim(nnops.log_softmax, x, dim)
+    return _over_last_dim(nnops.log_softmax, _floating(x, "log_softmax"), dim)
 
 
 def _check_norm_shape(x, normalized_shape, name):
@@ -59,15 +97,21 @@ def _check_norm_shape(x, normalized_shape, name):
     if tuple(x.shape[-len(ns):]) != ns:
         raise ValueError(f"{name}: normalized_shape {ns} does not match the trailing dims of the "
                          f"input shape {tuple(x.shape)}.")
-    return tuple(range(x.ndim - len(ns), x.ndim))
+    return ns
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
     """(x - mean) / sqrt(var + eps) * weight + bias over the trailing ``normalized_shape`` dims."""
-    dims = _check_norm_shape(x, normalized_shape, "layer_norm")
+    x = _floating(x, "layer_norm")
+    ns = _check_norm_shape(x, normalized_shape, "layer_norm")
+    dims = tuple(range(x.ndim - len(ns), x.ndim))
+    eps = _eps(eps, "layer_norm")
+    fix = "It holds one value per normalized element (normalized_shape)."
+    weight = _param(weight, ns, "layer_norm", "weight", fix)
+    bias = _param(bias, ns, "layer_norm", "bias", fix)
     lead = tuple(x.shape[:x.ndim - len(dims)])
     # normalize works on the last dim (biased variance, as PyTorch); fold trailing dims into it.
-    y = nnops.normalize(x.reshape(lead + (-1,)) if len(dims) > 1 else x, eps=float(eps))
+    y = nnops.normalize(x.reshape(lead + (-1,)) if len(dims) > 1 else x, eps=eps)
     y = y.reshape(tuple(x.shape)) if len(dims) > 1 else y
     if weight is not None:
         y = y * weight
@@ -77,8 +121,12 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
 
 
 def rms_norm(x, normalized_shape, weight=None, eps: float | None = None):
-    dims = _check_norm_shape(x, normalized_shape, "rms_norm")
-    eps = float(np.finfo(x.dtype).eps) if eps is None else eps
+    x = _floating(x, "rms_norm")
+    ns = _check_norm_shape(x, normalized_shape, "rms_norm")
+    dims = tuple(range(x.ndim - len(ns), x.ndim))
+    eps = float(np.finfo(x.dtype).eps) if eps is None else _eps(eps, "rms_norm")
+    weight = _param(weight, ns, "rms_norm", "weight",
+                    "It holds one value per normalized element (normalized_shape).")
     # In float32 for float16 x, as PyTorch: x * x is past float16's range from |x| = 256.
     xa = x.astype(st.accumulate_dtype(x.dtype))
     y = (xa / ((xa * xa).mean(dims, keepdims=True) + eps).sqrt()).astype(x.dtype)
@@ -92,7 +140,7 @@ def dropout(x, p: float = 0.5, training: bool = True):
     the same for every sharding of ``x`` and for compiled code.
     """
     p = as_real(p, "dropout probability", low=0, high=1)
-    if not training or p == 0.0:
+    if not as_bool(training, "dropout: training") or p == 0.0:
         return x
     if p == 1.0:
         return x * 0.0
@@ -118,6 +166,11 @@ def embedding(idx, weight):
     idx = as_tensor(idx) if not hasattr(idx, "dtype") else idx
     if not np.issubdtype(idx.dtype, np.integer):
         raise TypeError(f"embedding indices must be integers, got dtype {idx.dtype}.")
+    weight = _input(weight, "embedding", "weight")
+    if weight.ndim != 2:
+        raise ValueError(f"embedding: weight must be 2-d (num_embeddings, embedding_dim), got "
+                         f"shape {tuple(weight.shape)}; check the argument order: "
+                         f"embedding(indices, weight).")
     values = _index_values(idx)
     if values is not None:  # here, not in the lookup, for one message eager and sharded
         st.check_rows(values, weight.shape[0], "embedding: index",
@@ -132,6 +185,13 @@ def linear(x, weight, bias=None):
     Leading dims are flattened first so the product is one GEMM (and so is the weight gradient,
     instead of a batched product summed afterwards).
     """
+    x = _input(x, "linear")
+    weight = _input(weight, "linear", "weight")
+    if weight.ndim != 2:
+        raise ValueError(f"linear: weight must be 2-d (out_features, in_features), got shape "
+                         f"{tuple(weight.shape)}.")
+    bias = _param(bias, weight.shape[:1], "linear", "bias",
+                  "It holds one value per output feature (weight.shape[0]).")
     if x.ndim == 0:
         raise ValueError("linear: the input needs a features dim, got a 0-d tensor; reshape it "
                          "to (1,) first.")
@@ -161,9 +221,12 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
     Targets equal to ``ignore_index`` contribute nothing; "mean" divides by the number of the
     others, as PyTorch.
     """
-    if reduction not in ("mean", "sum", "none"):
+    if not isinstance(reduction, str) or reduction not in ("mean", "sum", "none"):
         raise ValueError(f"cross_entropy: reduction must be 'mean', 'sum' or 'none', got "
                          f"{reduction!r}.")
+    ignore_index = as_int(ignore_index, "cross_entropy: ignore_index",
+                          fix="It is the class index whose targets are skipped (default -100).")
+    input = _floating(input, "cross_entropy")
     if input.ndim > 2:  # class dim 1 -> last
         input = input.permute((0,) + tuple(range(2, input.ndim)) + (1,))
     target = as_tensor(target) if not hasattr(target, "dtype") else target
@@ -207,6 +270,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 
     ``attn_mask`` is boolean (True = may attend) or additive float, broadcastable to (..., L, S).
     """
+    op = "scaled_dot_product_attention"
+    query, key, value = (_floating(t, op, n) for t, n in
+                         ((query, "query"), (key, "key"), (value, "value")))
+    is_causal = as_bool(is_causal, f"{op}: is_causal")
+    dropout_p = as_real(dropout_p, f"{op}: dropout_p", low=0, high=1)
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"scaled_dot_product_attention: query dim {query.shape[-1]} != key dim "
                          f"{key.shape[-1]} (shapes {tuple(query.shape)}, {tuple(key.shape)}).")
@@ -216,6 +284,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or "
                          "is_causal=True, not both.")
     if attn_mask is not None:
+        attn_mask = _input(attn_mask, op, "attn_mask")
+        try:
+            fits = np.broadcast_shapes(tuple(attn_mask.shape), tuple(att.shape)) == \
+                tuple(att.shape)
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{op}: attn_mask of shape {tuple(attn_mask.shape)} does not "
+                             f"broadcast to the scores' shape {tuple(att.shape)} (..., L, S) "
+                             f"for query {tuple(query.shape)} and key {tuple(key.shape)}.")
         if attn_mask.dtype == np.bool_:
             # An additive 0/-inf mask, built on the mask's own (usually (L, S)) shape, is exact:
             # masked scores get probability 0, so softmax's backward sends them no gradient.

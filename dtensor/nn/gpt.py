@@ -11,7 +11,7 @@ from dtensor.autograd import no_grad
 from dtensor.nn import functional as F
 from dtensor.nn.layers import GELU, Dropout, Embedding, LayerNorm, Linear
 from dtensor.nn.module import Module, ModuleList
-from dtensor.validate import as_int, as_real
+from dtensor.validate import as_bool, as_int, as_real
 
 __all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
 
@@ -37,8 +37,7 @@ class GPTConfig:
                                      fix="Or None for 4 * n_embd.")
         self.dropout = as_real(self.dropout, "GPTConfig: dropout", low=0, high=1)
         self.ln_eps = as_real(self.ln_eps, "GPTConfig: ln_eps", low=0)
-        if not isinstance(self.bias, (bool, np.bool_)):
-            raise TypeError(f"GPTConfig: bias must be True or False, got {self.bias!r}.")
+        self.bias = as_bool(self.bias, "GPTConfig: bias")
         if self.gelu not in ("none", "tanh"):
             raise ValueError(f"GPTConfig: gelu must be 'none' (exact erf) or 'tanh', got "
                              f"{self.gelu!r}.")
@@ -109,6 +108,9 @@ class GPT(Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        if not isinstance(cfg, GPTConfig):
+            raise TypeError(f"GPT takes a GPTConfig, got {type(cfg).__name__}; write "
+                            f"GPT(GPTConfig(**kwargs)).")
         self.config = cfg
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = Embedding(cfg.block_size, cfg.n_embd)
@@ -145,7 +147,11 @@ class GPT(Module):
         loss = None
         if targets is not None:
             V = logits.shape[-1]
-            loss = F.cross_entropy(logits.reshape(-1, V), as_tensor(targets).reshape(-1))
+            targets = as_tensor(targets)
+            if tuple(targets.shape) != tuple(idx.shape):  # checked before the flattening
+                raise ValueError(f"GPT: targets of shape {tuple(targets.shape)} must match idx "
+                                 f"of shape {tuple(idx.shape)}: one next token per position.")
+            loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
         return logits, loss
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,

@@ -5,10 +5,10 @@ import math
 
 import numpy as np
 
-from dtensor.tensor import rand, randn, resolve_dtype
+from dtensor.tensor import float_dtype, rand, randn
 from dtensor.nn import functional as F
 from dtensor.nn.module import Module, Parameter
-from dtensor.validate import as_int, as_real, as_shape
+from dtensor.validate import as_bool, as_int, as_real, as_shape
 
 __all__ = ["Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "GELU", "ReLU"]
 
@@ -22,7 +22,8 @@ class Linear(Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None):
         super().__init__()
-        dtype = resolve_dtype(dtype or np.float32)
+        dtype = float_dtype(dtype, "Linear")
+        bias = as_bool(bias, "Linear: bias")
         in_features = as_int(in_features, "Linear: in_features", low=0)
         out_features = as_int(out_features, "Linear: out_features", low=0)
         self.in_features, self.out_features = in_features, out_features
@@ -41,7 +42,7 @@ class Linear(Module):
 class Embedding(Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype=None):
         super().__init__()
-        dtype = resolve_dtype(dtype or np.float32)
+        dtype = float_dtype(dtype, "Embedding")
         num_embeddings = as_int(num_embeddings, "Embedding: num_embeddings", low=0)
         embedding_dim = as_int(embedding_dim, "Embedding: embedding_dim", low=0)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -59,15 +60,16 @@ class _Norm(Module):
 
     def __init__(self, normalized_shape, eps, elementwise_affine: bool, bias: bool, dtype):
         super().__init__()
-        dtype = resolve_dtype(dtype or np.float32)
         name = type(self).__name__
+        dtype = float_dtype(dtype, name)
         if isinstance(normalized_shape, (tuple, list)):
             self.normalized_shape = as_shape(normalized_shape, f"{name}: normalized_shape")
         else:
             self.normalized_shape = (as_int(normalized_shape, f"{name}: normalized_shape",
                                             low=0),)
         self.eps = eps if eps is None else as_real(eps, f"{name}: eps", low=0)
-        affine = elementwise_affine
+        affine = as_bool(elementwise_affine, f"{name}: elementwise_affine")
+        bias = as_bool(bias, f"{name}: bias")
         self.weight = Parameter(np.ones(self.normalized_shape, dtype)) if affine else None
         self.bias = Parameter(np.zeros(self.normalized_shape, dtype)) if affine and bias else None
 

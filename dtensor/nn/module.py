@@ -8,7 +8,7 @@ import numpy as np
 
 from dtensor.ops import registry
 from dtensor.tensor import Tensor, TensorMethods
-from dtensor.validate import as_int
+from dtensor.validate import as_bool, as_int
 
 __all__ = ["Parameter", "Module", "ModuleList", "Sequential"]
 
@@ -186,6 +186,7 @@ class Module:
 
     # -- modes and grads
     def train(self, mode: bool = True) -> "Module":
+        mode = as_bool(mode, f"{type(self).__name__}.train: mode")
         for m in self.modules():
             object.__setattr__(m, "training", mode)
         return self
@@ -194,10 +195,12 @@ class Module:
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        set_to_none = as_bool(set_to_none, "zero_grad: set_to_none")
         for p in self.parameters():
             p.grad = None if set_to_none or p.grad is None else p.grad * 0.0
 
     def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        requires_grad = as_bool(requires_grad, "requires_grad_: requires_grad")
         for p in self.parameters():
             p.requires_grad_(requires_grad)
         return self
@@ -219,6 +222,7 @@ class Module:
             raise TypeError(f"load_state_dict for {type(self).__name__} takes a mapping of "
                             f"names to arrays (as model.state_dict() gives), got "
                             f"{type(state_dict).__name__}.")
+        strict = as_bool(strict, "load_state_dict: strict")
         own = self.state_dict()
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
@@ -230,12 +234,18 @@ class Module:
         bad = []
         for k, t in own.items():
             if k in state_dict:
-                shape = tuple(np.shape(state_dict[k]))
+                v = state_dict[k]
+                shape, dtype = tuple(np.shape(v)), getattr(v, "dtype", None)
+                dtype = np.asarray(v).dtype if dtype is None else np.dtype(dtype)
                 if shape != tuple(t.shape):
                     bad.append(f"{k}: checkpoint {shape} vs model {tuple(t.shape)}")
+                elif dtype.kind not in "biuf":  # strings, objects: copy_ would fail in numpy
+                    bad.append(f"{k}: checkpoint dtype {dtype} is not numeric (model "
+                               f"{t.dtype})")
         if bad:
-            raise ValueError(f"load_state_dict for {type(self).__name__}: shape mismatch for "
-                             + "; ".join(bad) + ". Build the model with the checkpoint's config.")
+            raise ValueError(f"load_state_dict for {type(self).__name__}: shape or dtype mismatch "
+                             f"for " + "; ".join(bad) + ". Build the model with the "
+                             "checkpoint's config.")
         for k, t in own.items():
             if k in state_dict:
                 src = state_dict[k]

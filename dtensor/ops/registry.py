@@ -133,6 +133,8 @@ def apply(op: Op, *args, **params):
                 needs_grad = True
         elif isinstance(a, np.ndarray):
             mixed = True
+        elif not isinstance(a, _SCALARS):
+            raise _bad_operand(op, a)
     if interp is not None and mixed and convert is not None:
         args = convert(args)
     if interp is None:
@@ -149,6 +151,19 @@ def apply(op: Op, *args, **params):
     if needs_grad and op.vjp is not None:
         autograd.record(op, args, params, out)
     return out
+
+
+# What an op takes besides tensors and arrays: numbers, as weak-typed constants.
+_SCALARS = (int, float, np.number, np.bool_)
+
+
+def _bad_operand(op: Op, value) -> TypeError:
+    """A string, None or list given to an op would fail inside numpy (a UFuncTypeError, 'has no
+    attribute'), or a list broadcast silently; name it instead."""
+    import reprlib
+    return TypeError(f"{op.name}: operand {reprlib.repr(value)} (a {type(value).__name__}) is "
+                     f"not a tensor; tensor ops take tensors, numpy arrays and Python numbers "
+                     f"(wrap a list with dtensor.tensor(...)).")
 
 
 def _explain(op: Op, arrays, params, err: Exception) -> Exception:

@@ -594,7 +594,7 @@ class Comm:
             return
         mine = None if error is None else (type(error).__module__, type(error).__qualname__,
                                            str(error))
-        text = repr((sorted(fields.items()), mine))
+        text = repr((what, sorted(fields.items()), mine))
         digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=8).digest(), np.int64)
         got = self._allgather_digest(what, digest)
         if (got == got[0]).all():
@@ -602,8 +602,13 @@ class Comm:
                 raise error
             return
         theirs = self._c.allgather(({k: v if type(v) is str else repr(v)
-                                     for k, v in fields.items()}, mine))
-        failed = [r for r, (_, e) in enumerate(theirs) if e is not None]
+                                     for k, v in fields.items()}, mine, what))
+        calls = {t[2] for t in theirs}
+        if len(calls) > 1:  # ranks in different collective calls: a program-order bug
+            where = ", ".join(f"rank {self.ranks[r]} in {t[2]}" for r, t in enumerate(theirs))
+            raise RuntimeError(f"ranks are in different collective calls ({where}): every rank "
+                               f"must make the same collective calls in the same order.")
+        failed = [r for r, (_, e, _) in enumerate(theirs) if e is not None]
         if failed:
             mod, name, msg = theirs[failed[0]][1]
             raise _rebuild_error(mod, name, f"{what} failed on rank {self.ranks[failed[0]]}: "
@@ -611,7 +616,7 @@ class Comm:
         lines = []
         for k in fields:
             by_value: dict[str, list[int]] = {}
-            for r, (t, _) in enumerate(theirs):
+            for r, (t, _, _) in enumerate(theirs):
                 by_value.setdefault(t[k], []).append(self.ranks[r])
             if len(by_value) > 1:
                 lines.append(f"{k}: " + ", ".join(f"{v} on ranks {rs}"
@@ -629,15 +634,19 @@ class Comm:
             return got
         limit = collective_timeout()
         start = time.monotonic()
-        pause = 1e-5
+        pause = 1e-4
         while not req.Test():
-            if time.monotonic() - start > limit:
+            waited = time.monotonic() - start
+            if waited < 0.05:  # peers are usually close behind: yield the core, don't sleep
+                os.sched_yield()
+                continue
+            if waited > limit:
                 raise TimeoutError(
                     f"{what} is collective: every rank of the group {list(self.ranks)} must call "
                     f"it, and rank {self.ranks[self.rank]} waited {limit:g} s for the others. "
                     f"Call it on every rank (not under `if rank == 0:`), or raise "
                     f"DTENSOR_COLLECTIVE_TIMEOUT if a rank is just slow to get there.")
-            time.sleep(pause)  # yield the core: ranks here are often oversubscribed
+            time.sleep(pause)
             pause = min(pause * 2, 1e-2)
         return got
 

@@ -161,11 +161,11 @@ class DTensor(TensorMethods):
                                  f"shape).")
             return spec
 
-        if shape is None:  # the global shape follows from each rank's own block
-            spec = check()
-        else:
-            spec = _agreed(device_mesh, "DTensor.from_local", check, shape=shape,
-                           placements=placements, dtype=str(arr.dtype))
+        # Without shape= the global shape follows from the blocks, which must then be equal.
+        spec = _agreed(device_mesh, "DTensor.from_local", check,
+                       "Pass shape= (the global shape) for blocks of different sizes.",
+                       shape=shape, block=arr.shape if shape is None else None,
+                       placements=placements, dtype=str(arr.dtype))
         if run_check:
             _check_from_local(arr, spec)
         out = DTensor._make(arr, spec)
@@ -316,7 +316,7 @@ _FROM_LOCAL = Op("from_local", impl=None, abstract=None, linearity="all",
                      g._loc(), g._spec, _grad_placements(out.placements, g.placements))),))
 
 
-def _agreed(mesh: DeviceMesh, what: str, check, **fields):
+def _agreed(mesh: DeviceMesh, what: str, check, fix: str = "", **fields):
     """``check()`` (this rank's validation, returning the checked value), agreed on by every
     rank of ``mesh``: ranks that passed different ``fields``, or where ``check`` failed on some
     ranks only, raise the same error on every rank instead of hanging in the collective that
@@ -331,7 +331,7 @@ def _agreed(mesh: DeviceMesh, what: str, check, **fields):
         error = e
     if mesh.size() > 1:
         from dtensor.comm import get_world
-        get_world().check_same(what, error=error, **fields)
+        get_world().check_same(what, fix, error=error, **fields)
     elif error is not None:
         raise error
     return result
@@ -593,7 +593,12 @@ def _template(spec: DTensorSpec) -> DTensor:
 
 
 def _random_like(op, like: DTensor, dtype) -> DTensor:
-    return op(_template(like._spec), key=random.next_key(), dtype=np.dtype(dtype))
+    # Element i is a pure function of (key, i): ranks whose RNG states differ would hold blocks
+    # of different tensors, and a "replicated" one would differ by rank, silently.
+    key = _agreed(like.device_mesh, f"dtensor.{op.name}", random.next_key,
+                  "Call dtensor.manual_seed(s) with the same s on every rank, and draw the same "
+                  "random tensors in the same order.", rng_state=random.get_rng_state())
+    return op(_template(like._spec), key=key, dtype=np.dtype(dtype))
 
 
 def full(shape, value, *, dtype=None, device_mesh: DeviceMesh,

@@ -320,3 +320,13 @@ def test_max_min_follow_numpy_nan_semantics_with_the_same_bits_everywhere(n, dty
         assert len(set(theirs)) == 1, f"{op}: ranks got different bits"
         got = comm.reduce_scatter(np.concatenate([inputs[rank]] * n), op=op)
         np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_ranks_in_different_checked_calls_fail_together_naming_each(comm, rank):
+    with pytest.raises(RuntimeError, match=r"different collective calls \(rank 0 in "
+                                           r"distribute_tensor, rank 1 in checkpoint\.save\)"):
+        if rank == 0:
+            comm.check_same("distribute_tensor", shape=(2, 3))
+        else:
+            comm.check_same("checkpoint.save", path="ck")

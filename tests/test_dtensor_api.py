@@ -235,6 +235,20 @@ def test_ranks_that_pass_different_metadata_fail_together(rank):
         ("from_local dtype", lambda: DTensor.from_local(
             np.ones((2, 3), "float64" if one else "float32"), mesh, [Shard(0)], shape=(4, 3)),
          ValueError, r"dtype: float32 on ranks \[0\], float64 on ranks \[1\]"),
+        ("from_local no shape placements", lambda: DTensor.from_local(
+            np.ones((2, 2)), mesh, [Replicate() if one else Shard(0)]),
+         ValueError, r"placements: \[S\(0\)\] on ranks \[0\], \[R\] on ranks \[1\]"),
+        ("from_local no shape dtype", lambda: DTensor.from_local(
+            np.ones((2, 3), "float64" if one else "float32"), mesh, [Shard(0)]),
+         ValueError, r"dtype: float32 on ranks \[0\], float64 on ranks \[1\]"),
+        ("from_local uneven without shape", lambda: DTensor.from_local(
+            np.ones((2 + rank, 3)), mesh, [Shard(0)]),
+         ValueError, r"block: \(2, 3\) on ranks \[0\], \(3, 3\) on ranks \[1\].*Pass "
+                     r"shape="),
+        ("randn seeds", lambda: (dtensor.manual_seed(rank), dtensor.randn(
+            4, 2, device_mesh=mesh, placements=[Replicate()])),
+         ValueError, r"dtensor\.randn: .*rng_state: \{'seed': 0, 'stream': 0\} on ranks \[0\], "
+                     r"\{'seed': 1, 'stream': 0\} on ranks \[1\].*manual_seed"),
         ("redistribute placements", lambda: d.redistribute(mesh, [Shard(rank)]),
          ValueError, r"redistribute: .*placements: \[S\(0\)\] on ranks \[0\], \[S\(1\)\] on "
                      r"ranks \[1\]"),

@@ -289,3 +289,26 @@ def test_sharded_max_matches_numpy_with_nan_and_bool(rank, dtype):
             np.testing.assert_array_equal(got, np.max(x, axis=axis))
             bits = get_world()._c.allgather(np.ascontiguousarray(got).tobytes())
             assert bits[0] == bits[1]
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_an_optimizer_built_differently_on_one_rank_fails_on_every_rank(rank):
+    """A replicated parameter stepped with another lr on one rank would diverge silently."""
+    from dtensor.comm import get_world
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    p = dtensor.nn.Parameter(distribute_tensor(np.ones((4, 2), np.float32), mesh,
+                                               [Replicate()]))
+    for make, pattern in [
+        (lambda: dtensor.optim.SGD([p], lr=0.1 * (rank + 1)),
+         r"SGD: .*hyperparameters: \[\{'lr': 0\.1, .*\}\] on ranks \[0\], \[\{'lr': 0\.2"),
+        (lambda: dtensor.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.99 if rank else 0.999)),
+         r"AdamW: .*'betas': \(0\.9, 0\.999\).* on ranks \[0\]"),
+    ]:
+        with pytest.raises(ValueError, match=pattern) as info:
+            make()
+        theirs = get_world()._c.allgather(str(info.value))
+        assert theirs[0] == theirs[1]
+    opt = dtensor.optim.SGD([p], lr=0.1)  # the same on both ranks: fine
+    p.grad = distribute_tensor(np.ones((4, 2), np.float32), mesh, [Replicate()])
+    opt.step()
+    np.testing.assert_allclose(p.full_tensor().numpy(), 0.9)

@@ -131,6 +131,24 @@ class Optimizer:
         self.state: dict = {}
         for gi, (group, params_loc) in enumerate(self._as_groups(params)):
             self._add_group(group, name, f"param_groups[{gi}]", params_loc)
+        self._agree(name)
+
+    def _agree(self, name: str) -> None:
+        """Over a multi-rank mesh, every rank must build the same optimizer: a replicated
+        parameter stepped with another lr on one rank diverges silently (one small allgather,
+        at construction only)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+        if mesh is None or mesh.size() == 1:
+            return
+        from dtensor.comm import get_world
+        get_world().check_same(
+            name, "Build the optimizer with the same parameters and hyperparameters on every "
+                  "rank.",
+            hyperparameters=[{k: v for k, v in g.items() if k != "params"}
+                             for g in self.param_groups],
+            parameters=[(tuple(p.shape), str(p.dtype), tuple(getattr(p, "placements", ())))
+                        for p in params])
 
     def _as_groups(self, params) -> list[tuple[dict, str]]:
         """torch.optim's ``params`` (an ordered iterable of tensors, or of group dicts) as

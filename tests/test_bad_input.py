@@ -414,6 +414,245 @@ def _table_cases():
     return cases
 
 
+# Not flags: as_bool takes True/False (numpy bools too) only; "no" would switch a flag on.
+NOT_BOOLS = ["yes", 1, None]
+
+
+def _flag_cases():
+    """as_bool: wrong values x the entry points that take a flag."""
+    import dtensor
+    import dtensor.nn as nn
+    import dtensor.nn.functional as F
+    from dtensor.nn import LayerNorm, Linear
+
+    x = dtensor.randn(2, 3, 4)
+    q = dtensor.randn(1, 2, 4, 8)
+    lin = Linear(2, 2)
+    entries = [
+        ("tensor requires_grad", lambda v: dtensor.tensor([1.0], requires_grad=v), "requires_grad"),
+        ("zeros requires_grad", lambda v: dtensor.zeros(2, requires_grad=v), "requires_grad"),
+        ("randn requires_grad", lambda v: dtensor.randn(2, requires_grad=v), "requires_grad"),
+        ("requires_grad_", lambda v: dtensor.ones(2).requires_grad_(v), "requires_grad"),
+        ("sum keepdim", lambda v: x.sum(0, keepdim=v), "keepdim"),
+        ("mean keepdim", lambda v: x.mean(0, keepdim=v), "keepdim"),
+        ("max keepdims", lambda v: x.max(0, v), "keepdims"),
+        ("Linear bias", lambda v: Linear(2, 2, bias=v), "Linear: bias"),
+        ("LayerNorm affine", lambda v: LayerNorm(3, elementwise_affine=v),
+         "LayerNorm: elementwise_affine"),
+        ("RMSNorm affine", lambda v: nn.RMSNorm(3, elementwise_affine=v),
+         "RMSNorm: elementwise_affine"),
+        ("dropout training", lambda v: F.dropout(x, 0.5, training=v), "dropout: training"),
+        ("Module.train", lambda v: lin.train(v), "Linear.train: mode"),
+        ("sdpa is_causal", lambda v: F.scaled_dot_product_attention(q, q, q, is_causal=v),
+         "is_causal"),
+        ("load_state_dict strict", lambda v: lin.load_state_dict(lin.state_dict(), strict=v),
+         "strict"),
+        ("Module.zero_grad", lambda v: lin.zero_grad(set_to_none=v), "set_to_none"),
+    ]
+    return [(f"flag: {entry}({v!r})", lambda c=call, v=v: c(v), TypeError,
+             rf"{what} must be True or False, got {re.escape(repr(v))}")
+            for entry, call, what in entries for v in NOT_BOOLS
+            if not (v is None and what == "keepdim")]  # keepdim=None: not given
+
+
+def _silent_cases():
+    """Calls that used to return a wrong value silently."""
+    import dtensor
+    import dtensor.nn.functional as F
+    from dtensor.nn import Embedding, LayerNorm, Linear
+
+    m = dtensor.randn(3, 4)
+    x = dtensor.randn(4, 6)
+    ids = np.array([0, 1, 2, 3])
+    cases = []
+    for f in ("rand", "randn"):
+        for dt in ("int64", "bool", "uint8"):
+            cases.append((f"dtype: {f}({dt})", lambda f=f, dt=dt: getattr(dtensor, f)(2, dtype=dt),
+                          TypeError, rf"dtensor\.{f}: dtype must be floating point.*got {dt}"))
+    for name, make in (("Linear", lambda: Linear(2, 2, dtype="int64")),
+                       ("Embedding", lambda: Embedding(3, 2, dtype="int32")),
+                       ("LayerNorm", lambda: LayerNorm(3, dtype="bool"))):
+        cases.append((f"dtype: {name}", make, TypeError, rf"{name}: dtype must be floating"))
+    for key in (slice(None, None, -1), slice(3, 0, -1), slice(None, None, -2)):
+        cases.append((f"slice {key!r}", lambda k=key: m[k], ValueError,
+                      r"step must be greater than zero"))
+    cases += [
+        ("var correction str", lambda: m.var(correction="a"), TypeError,
+         r"var: correction must be a real number, got 'a'"),
+        ("masked_fill float mask", lambda: m.masked_fill(dtensor.ones(3, 4), 0.0), TypeError,
+         r"masked_fill: the mask must be a bool tensor, got dtype float32"),
+        ("masked_fill int mask", lambda: m.masked_fill(np.ones((3, 4), np.int64), 0.0),
+         TypeError, r"got dtype int64"),
+        ("where float cond", lambda: dtensor.where(m, m, m), TypeError,
+         r"where: the mask must be a bool tensor, got dtype float32"),
+        ("where list cond", lambda: dtensor.where([True], m, m), TypeError,
+         r"got \[True\] \(a list\)"),
+        ("layer_norm eps -1", lambda: F.layer_norm(x, 6, eps=-1.0), ValueError,
+         r"layer_norm: eps must lie in \[0, inf\), got -1\.0"),
+        ("layer_norm eps str", lambda: F.layer_norm(x, 6, eps="a"), TypeError,
+         r"layer_norm: eps must be a real number, got 'a'"),
+        ("rms_norm eps str", lambda: F.rms_norm(x, 6, eps="a"), TypeError,
+         r"rms_norm: eps must be a real number, got 'a'"),
+        ("rms_norm eps nan", lambda: F.rms_norm(x, 6, eps=float("nan")), ValueError,
+         r"rms_norm: eps must lie in .*got nan"),
+        ("embedding 1-d weight", lambda: F.embedding(np.array([0]), dtensor.ones(5)),
+         ValueError, r"weight must be 2-d .*got shape \(5,\)"),
+        ("embedding 3-d weight", lambda: F.embedding(np.array([0]), dtensor.ones(5, 2, 2)),
+         ValueError, r"got shape \(5, 2, 2\)"),
+        ("cross_entropy reduction None", lambda: F.cross_entropy(x, ids, reduction=None),
+         ValueError, r"reduction must be .*got None"),
+        ("astype None", lambda: m.astype(None), TypeError, r"invalid dtype None"),
+        ("manual_seed 2**70", lambda: dtensor.manual_seed(2**70), ValueError,
+         r"seed must lie in \[-2\*\*63, 2\*\*64\), got 1180591620717411303424"),
+        ("manual_seed -2**64", lambda: dtensor.manual_seed(-2**64), ValueError,
+         r"seed must be >= -9223372036854775808, got -18446744073709551616"),
+    ]
+    for v in (1.5, "a", None):
+        cases.append((f"cross_entropy ignore_index {v!r}",
+                      lambda v=v: F.cross_entropy(x, ids, ignore_index=v), TypeError,
+                      rf"ignore_index must be an integer, got {_value_regex(v)}"))
+    lin = Linear(2, 2)
+    for v in (5, np.ones((2, 2)), dtensor.ones(2, 2)):
+        cases.append((f"setattr parameter {type(v).__name__}",
+                      lambda v=v: setattr(lin, "weight", v), TypeError,
+                      rf"cannot assign {type(v).__name__} as parameter 'weight' "
+                      r"\(dtensor\.nn\.Parameter or None expected\)"))
+    return cases
+
+
+def _operand_cases():
+    """Operands and inputs of the wrong type or dtype, which used to fail inside Python or
+    numpy ('has no attribute', UFuncTypeError, 'could not convert'), and messages that named
+    numpy's reshaped operands instead of the user's."""
+    import dtensor
+    import dtensor.nn.functional as F
+    from dtensor.nn import GPT, GPTConfig, LayerNorm, Linear
+
+    m = dtensor.randn(3, 4)
+    x = dtensor.randn(4, 6)
+    q = dtensor.randn(1, 2, 4, 8)
+    ints = dtensor.ones(4, 6, dtype="int64")
+    lin = Linear(6, 3)
+    small = dict(vocab_size=50, n_layer=1, n_embd=16, n_head=2, mlp_hidden=32, block_size=8)
+    cases = []
+    for sym, op, fn in (("+", "add", lambda v: m + v), ("*", "mul", lambda v: m * v),
+                        ("**", "pow", lambda v: m ** v), ("r-", "sub", lambda v: v - m),
+                        ("where", "where", lambda v: dtensor.where(m > 0, v, m)),
+                        ("masked_fill", "where", lambda v: m.masked_fill(m > 0, v))):
+        for v in ("a", None, [[1], [2, 3]]):
+            cases.append((f"operand: {sym} {v!r}", lambda f=fn, v=v: f(v), TypeError,
+                          rf"{op}: operand {re.escape(repr(v))} \(a {type(v).__name__}\) is "
+                          r"not a tensor"))
+    for v in ("a", None):
+        cases.append((f"operand: @ {v!r}", lambda v=v: m @ v, TypeError,
+                      rf"matmul: operand {re.escape(repr(v))} .* is not a tensor"))
+    for name, fn in (("gelu", lambda: F.gelu(ints)), ("softmax", lambda: F.softmax(ints)),
+                     ("log_softmax", lambda: F.log_softmax(ints)),
+                     ("layer_norm", lambda: LayerNorm(6)(ints)),
+                     ("rms_norm", lambda: F.rms_norm(ints, 6)),
+                     ("cross_entropy", lambda: F.cross_entropy(ints, np.zeros(4, np.int64)))):
+        cases.append((f"int input: {name}", fn, TypeError,
+                      rf"{name}: input must be floating point, got dtype int64.*\.float\(\)"))
+    cases += [
+        ("zeros_like int", lambda: dtensor.zeros_like(5), TypeError, r"zeros_like .*got 5"),
+        ("ones_like list", lambda: dtensor.ones_like([1]), TypeError, r"got \[1\] \(a list"),
+        ("backward str", lambda: dtensor.ones(3, requires_grad=True).exp().backward("a"),
+         TypeError, r"gradient must be a tensor of shape \(3,\).*got 'a'"),
+        ("Linear str input", lambda: lin("abc"), TypeError, r"<U3|'abc'"),
+        ("Linear None input", lambda: lin(None), TypeError, r"linear: input must be a tensor.*"
+                                                            r"got None"),
+        ("GPT dict", lambda: GPT(small), TypeError, r"GPT takes a GPTConfig, got dict"),
+        ("full str", lambda: dtensor.full((2,), "a"), TypeError,
+         r"full: the fill value must be a number, got 'a' \(a str\)"),
+        ("full list", lambda: dtensor.full((2,), [1, 2, 3]), TypeError, r"got \[1, 2, 3\]"),
+        ("fill_ str", lambda: dtensor.ones(2).fill_("x"), TypeError, r"fill_: .*got 'x'"),
+        ("load_state_dict strings", lambda: lin.load_state_dict(
+            {"weight": np.full((3, 6), "a"), "bias": np.ones(3)}), ValueError,
+         r"weight: checkpoint dtype <U1 is not numeric"),
+        ("arange inf", lambda: dtensor.arange(0, float("inf")), ValueError,
+         r"end must be finite, got arange\(0, inf, 1\)"),
+        ("arange nan", lambda: dtensor.arange(float("nan")), ValueError,
+         r"arange: end must .*got nan"),
+        ("tensor ragged", lambda: dtensor.tensor([[1, 2], [3]]), ValueError,
+         r"\[\[1, 2\], \[3\]\]: the nested lists are ragged"),
+        ("zeros huge", lambda: dtensor.zeros(10**6, 10**6), MemoryError,
+         r"zeros: a tensor of shape \(1000000, 1000000\) and dtype float32 needs "
+         r"4,000,000,000,000 bytes"),
+        ("arange huge", lambda: dtensor.arange(0, 1e18), MemoryError,
+         r"shape \(1000000000000000000,\).*bytes"),
+        ("matmul 1-d", lambda: dtensor.ones(3) @ dtensor.ones(4), ValueError,
+         r"\(3,\) @ \(4,\) do not fit \(3 != 4\)"),
+        ("matmul batch", lambda: dtensor.ones(2, 3, 4) @ dtensor.ones(5, 4, 2), ValueError,
+         r"\(2, 3, 4\) @ \(5, 4, 2\): the batch dims \(2,\) and \(5,\) do not broadcast"),
+        ("linear 3-d weight", lambda: F.linear(x, dtensor.ones(2, 3, 6)), ValueError,
+         r"weight must be 2-d .*got shape \(2, 3, 6\)"),
+        ("linear bias shape", lambda: F.linear(x, dtensor.ones(3, 6), dtensor.ones(4, 3)),
+         ValueError, r"linear: bias has shape \(4, 3\), expected \(3,\)"),
+        ("layer_norm weight", lambda: F.layer_norm(x, 6, weight=dtensor.ones(5)), ValueError,
+         r"layer_norm: weight has shape \(5,\), expected \(6,\)"),
+        ("layer_norm bias", lambda: F.layer_norm(x, 6, bias=dtensor.ones(5)), ValueError,
+         r"layer_norm: bias has shape \(5,\), expected \(6,\)"),
+        ("rms_norm weight", lambda: F.rms_norm(x, 6, weight=dtensor.ones(5)), ValueError,
+         r"rms_norm: weight has shape \(5,\), expected \(6,\)"),
+        ("sdpa mask", lambda: F.scaled_dot_product_attention(
+            q, q, q, attn_mask=dtensor.ones(3, 3, dtype="bool")), ValueError,
+         r"attn_mask of shape \(3, 3\) does not broadcast to the scores' shape \(1, 2, 4, 4\)"),
+        ("GPT targets", lambda: GPT(GPTConfig(**small))(np.ones((1, 4), np.int64),
+                                                        np.ones((1, 3), np.int64)),
+         ValueError, r"targets of shape \(1, 3\) must match idx of shape \(1, 4\)"),
+        ("item (3, 4)", lambda: m.item(), RuntimeError, r"item\(\): a tensor of shape \(3, 4\)"),
+        ("float (3, 4)", lambda: float(m), RuntimeError, r"float\(\): a tensor of shape "
+                                                         r"\(3, 4\)"),
+    ]
+    return cases
+
+
+def _plan_cases():
+    """Plans whose keys overlap, or whose layouts do not fit the forward they wrap."""
+    import dtensor
+    import dtensor.nn as nn
+    from dtensor.mesh import init_device_mesh
+    from dtensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                  SequenceParallel, parallelize_module)
+    from dtensor.placements import Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w_q, self.w_o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, h):
+            return self.w_o(self.w_q(h))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.attn, self.norm = nn.Embedding(16, 8), Attn(), nn.RMSNorm(8)
+
+        def forward(self, ids):
+            return self.norm(self.attn(self.tok(ids)))
+
+    ids = np.ones((2, 4), np.int64)
+    return [
+        ("plan keys overlap", lambda: parallelize_module(Net(), mesh, {
+            "attn.w_q": ColwiseParallel(), "attn.w_*": ColwiseParallel(),
+            "attn.w_o": RowwiseParallel()}), ValueError,
+         r"plan keys 'attn\.w_q' and 'attn\.w_\*' both match module 'attn\.w_q' \(Linear\)"),
+        ("SequenceParallel dim", lambda: parallelize_module(Net(), mesh, {
+            "norm": SequenceParallel(sequence_dim=5)})(ids), IndexError,
+         r"SequenceParallel on 'norm': sequence_dim 5 is out of range for a tensor of shape "
+         r"\(2, 4, 8\)"),
+        ("PrepareModuleInput count", lambda: parallelize_module(Net(), mesh, {
+            "attn": PrepareModuleInput(input_layouts=(Replicate(), Replicate()),
+                                       desired_input_layouts=(Shard(0), Shard(0)))})(ids),
+         ValueError, r"PrepareModuleInput on 'attn' \(Attn\): 2 input layouts .* 1 positional"),
+        ("dtensor randn ok", lambda: dtensor.randn(2, dtype="float16").sum() + None, TypeError,
+         r"add: operand None"),
+    ]
+
+
 def _value_regex(v) -> str:
     return "the bool True" if v is True else re.escape(repr(v))
 
@@ -574,8 +813,9 @@ def test_every_bad_call_raises_a_clear_error_quickly_on_every_rank(tmp_path, ran
 def test_validation_tables_on_every_rank(rank):
     """Each helper's wrong values x the entry points that call it, and the cases that used
     to fail inside Python."""
-    cases = _table_cases() + _unclear_cases() + _agreement_cases()
-    assert len(cases) >= 250, len(cases)
+    cases = (_table_cases() + _unclear_cases() + _agreement_cases() + _flag_cases()
+             + _silent_cases() + _operand_cases() + _plan_cases())
+    assert len(cases) >= 400, len(cases)
     _run_cases(cases)
 
 

@@ -84,6 +84,11 @@ class Module:
         if name in self._parameters and (value is None or is_param):
             self._parameters[name] = value  # in place: parameter order stays as declared
             return
+        if name in self._parameters:  # as PyTorch: a plain value never replaces a Parameter
+            raise TypeError(f"cannot assign {type(value).__name__} as parameter {name!r} "
+                            f"(dtensor.nn.Parameter or None expected); to change its values "
+                            f"use {type(self).__name__}.{name}.copy_(...) or wrap them in "
+                            f"Parameter(...).")
         for table in (self._parameters, self._buffers, self._modules):
             table.pop(name, None)
         if is_param:

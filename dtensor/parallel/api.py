@@ -18,6 +18,7 @@ from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModul
                                     distribute_param, wrap_forward)
 from dtensor.placements import Replicate, Shard
 from dtensor.tensor import TensorMethods
+from dtensor.validate import as_bool
 
 __all__ = ["parallelize_module", "parallelize"]
 
@@ -109,7 +110,7 @@ def _plan_hits(module: Module, plan) -> list:
         raise TypeError(f"parallelize_plan must be a ParallelStyle or a dict of module path -> "
                         f"ParallelStyle, got {type(plan).__name__}:\n{_PLAN_EXAMPLE}")
     named = list(module.named_modules())
-    out = []
+    out, claimed = [], {}
     for key, style in plan.items():
         if not isinstance(key, str):
             raise TypeError(f"plan key {key!r} must be a dotted module path such as "
@@ -123,6 +124,12 @@ def _plan_hits(module: Module, plan) -> list:
             raise ValueError(f"plan key {key!r} matches no submodule of {type(module).__name__}; "
                              f"its module paths include {paths}. Keys are dotted paths with "
                              f"fnmatch wildcards per atom, e.g. 'blocks.*.attn.q'.")
+        for name, m in hits:
+            if name in claimed:  # two styles would shard one module twice, or undo each other
+                raise ValueError(f"plan keys {claimed[name]!r} and {key!r} both match module "
+                                 f"{name!r} ({type(m).__name__}); give each module one style: "
+                                 f"narrow the wildcard or drop one key.")
+            claimed[name] = key
         out += [(style, name, m) for name, m in hits]
     return out
 
@@ -305,8 +312,7 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
 
     def check():
         for k, v in flags.items():
-            if not isinstance(v, bool):
-                raise TypeError(f"parallelize: {k} must be True or False, got {v!r}.")
+            as_bool(v, f"parallelize: {k}")
         if mesh.ndim > 2:
             _tp_dim(mesh, None)  # raises with the fix
         names = mesh.mesh_dim_names or ()

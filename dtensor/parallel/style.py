@@ -32,7 +32,7 @@ from dtensor.nn.layers import Embedding, Linear
 from dtensor.nn.module import Module, Parameter
 from dtensor.placements import Placement, Replicate, Shard
 from dtensor.tensor import TensorMethods
-from dtensor.validate import as_int
+from dtensor.validate import as_bool, as_dim, as_int
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput"]
@@ -50,9 +50,7 @@ def _check_layout(style: str, name: str, p, optional: bool = True):
 
 
 def _check_flag(style: str, name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{style}: {name} must be True or False, got {value!r}.")
-    return value
+    return as_bool(value, f"{style}: {name}")
 
 
 def _with(placements, tp: int, p: Placement, ndim: int) -> tuple[Placement, ...]:
@@ -209,6 +207,9 @@ class SequenceParallel(ParallelStyle):
         seq = Shard(self.sequence_dim)
 
         def pre(m, args):
+            if args and hasattr(args[0], "shape"):  # else Shard(d) fails deep in a redistribute
+                as_dim(self.sequence_dim, tuple(args[0].shape), what="sequence_dim",
+                       op=f"SequenceParallel on {path!r}")
             return (to_layout(args[0], mesh, tp, seq, seq),) + tuple(args[1:])
 
         def post(m, args, out):
@@ -275,6 +276,11 @@ class PrepareModuleInput(ParallelStyle):
         pairs = list(zip(self.input_layouts, self.desired_input_layouts))
 
         def pre(m, args):
+            if any(s is not None or d is not None for s, d in pairs[len(args):]):
+                raise ValueError(f"PrepareModuleInput on {path!r} ({type(m).__name__}): "
+                                 f"{len(pairs)} input layouts {self.input_layouts} for a "
+                                 f"forward called with {len(args)} positional argument(s); give "
+                                 f"one layout per positional argument.")
             head = tuple(self._convert(a, mesh, tp, s, d) for a, (s, d) in zip(args, pairs))
             return head + tuple(args[len(pairs):])
 

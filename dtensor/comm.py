@@ -278,16 +278,17 @@ _NUMPY_OPS: dict = {}
 
 
 def _numpy_op(op: str, dtype: np.dtype):
-    """max/min as numpy computes them, for the dtypes where MPI's builtin ops differ.
+    """A reduction as numpy computes it, for the dtypes where MPI's builtin ops differ.
 
     MPI_MAX/MIN drop NaN (C's comparisons), so a "replicated" max could differ by rank from
-    numpy's, which propagates it; and MPICH has no MAX for bools. The op is declared
-    non-commutative so that MPI combines the operands in rank order: every rank then gets the
-    same bits (which of two NaNs, or of -0.0 and 0.0, survives).
+    numpy's, which propagates it; and MPICH has no MAX or SUM for bools (numpy's bool sum of
+    two arrays is their OR). The op is declared non-commutative so that MPI combines the
+    operands in rank order: every rank then gets the same bits (which of two NaNs, or of -0.0
+    and 0.0, survives).
     """
     key = (op, dtype)
     if key not in _NUMPY_OPS:
-        ufunc = np.maximum if op == "max" else np.minimum
+        ufunc = {"max": np.maximum, "min": np.minimum, "sum": np.add}[op]
 
         def combine(inbuf, inoutbuf, datatype):  # inoutbuf = inbuf (lower rank) op inoutbuf
             a = np.frombuffer(inbuf, dtype)
@@ -340,9 +341,11 @@ class Comm:
             if op not in REDUCE_OPS:
                 raise ValueError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}.")
             mpi_op = _reduce_table()[op]
-        if (op == "max" or op == "min") and (dtype.kind == "f" or dtype.kind == "b"):
-            return _numpy_op(op, dtype)
-        return mpi_op
+        if dtype.kind == "f":
+            return _numpy_op(op, dtype) if op == "max" or op == "min" else mpi_op
+        if op == "avg":
+            raise TypeError(f"reduce op 'avg' needs a floating dtype, got {dtype}.")
+        return _numpy_op(op, dtype) if dtype.kind == "b" else mpi_op
 
     def _agree(self, what: str, mine: tuple) -> None:
         """With DTENSOR_COMM_CHECK=1: every rank checks that its peers passed matching buffers.
@@ -376,8 +379,6 @@ class Comm:
         x = _contig(x)
         dtype = x.dtype
         mpi_op = self._op(op, dtype)
-        if op == "avg" and dtype.kind != "f":
-            raise TypeError(f"all_reduce(op='avg') needs a floating dtype, got {dtype}.")
         if self._check:
             self._agree("all_reduce", (str(dtype), x.shape, op))
         if _LOGGING:

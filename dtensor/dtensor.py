@@ -26,7 +26,9 @@ from dtensor.ops.registry import Aval, Op
 from dtensor.placements import Partial, Placement, Replicate, Shard, as_placements
 from dtensor.redistribute import local_shape_and_offset, redistribute_local
 from dtensor.sharding import propagate
-from dtensor.tensor import Tensor, TensorMethods, _shape_arg, resolve_dtype
+from dtensor.tensor import (Tensor, TensorMethods, _shape_arg, fill_value, float_dtype,
+                            resolve_dtype)
+from dtensor.validate import as_bool
 
 __all__ = ["DTensor", "DTensorSpec", "distribute_tensor", "implicit_replication",
            "distribute_module", "zeros", "ones", "full", "rand", "randn", "visualize_sharding"]
@@ -604,9 +606,10 @@ def _random_like(op, like: DTensor, dtype) -> DTensor:
 def full(shape, value, *, dtype=None, device_mesh: DeviceMesh,
          placements: Sequence[Placement], requires_grad: bool = False) -> DTensor:
     """A DTensor filled with ``value``; each rank allocates only its block."""
+    value = fill_value(value, "full")
     spec = _factory_spec(shape, dtype, device_mesh, placements)
     out = DTensor._make(np.full(_local_block(spec)[0], value, spec.dtype), spec)
-    out.requires_grad = requires_grad
+    out.requires_grad = as_bool(requires_grad, "requires_grad")
     return out
 
 
@@ -622,17 +625,17 @@ def ones(*shape, dtype=None, device_mesh: DeviceMesh, placements, requires_grad=
 
 def rand(*shape, dtype=None, device_mesh: DeviceMesh, placements, requires_grad=False):
     """Uniform [0, 1): exactly the numbers dtensor.rand(*shape) gives in one process."""
-    spec = _factory_spec(shape, dtype, device_mesh, placements)
+    spec = _factory_spec(shape, float_dtype(dtype, "dtensor.rand"), device_mesh, placements)
     out = _random_like(structural.rand, DTensor._make(None, spec), spec.dtype)
-    out.requires_grad = requires_grad
+    out.requires_grad = as_bool(requires_grad, "requires_grad")
     return out
 
 
 def randn(*shape, dtype=None, device_mesh: DeviceMesh, placements, requires_grad=False):
     """Standard normal: exactly the numbers dtensor.randn(*shape) gives in one process."""
-    spec = _factory_spec(shape, dtype, device_mesh, placements)
+    spec = _factory_spec(shape, float_dtype(dtype, "dtensor.randn"), device_mesh, placements)
     out = _random_like(structural.randn, DTensor._make(None, spec), spec.dtype)
-    out.requires_grad = requires_grad
+    out.requires_grad = as_bool(requires_grad, "requires_grad")
     return out
 
 

@@ -40,6 +40,9 @@ def _check_names(names, ndim: int) -> tuple[str, ...] | None:
     if odd:
         raise TypeError(f"mesh_dim_names {names!r} must all be strings, got {odd[0]!r} (type "
                         f"{type(odd[0]).__name__}); e.g. {_NAMES_EXAMPLE}.")
+    if "" in names:
+        raise ValueError(f"mesh_dim_names {names!r} holds an empty name; give every dim a "
+                         f"non-empty name, e.g. {_NAMES_EXAMPLE}.")
     if len(names) != ndim:
         raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {ndim}-d mesh; "
                          f"give one name per mesh dim.")

@@ -320,6 +320,10 @@ def test_max_min_follow_numpy_nan_semantics_with_the_same_bits_everywhere(n, dty
         assert len(set(theirs)) == 1, f"{op}: ranks got different bits"
         got = comm.reduce_scatter(np.concatenate([inputs[rank]] * n), op=op)
         np.testing.assert_array_equal(got, ref)
+    if dtype == "bool":  # numpy's sum of bool arrays is their OR; MPICH has no SUM for bools
+        np.testing.assert_array_equal(comm.all_reduce(inputs[rank]), np.logical_or.reduce(inputs))
+        with pytest.raises(TypeError, match=r"'avg' needs a floating dtype, got bool"):
+            comm.all_reduce(inputs[rank], op="avg")
 
 
 @pytest.mark.ranks(2, timeout=120)

@@ -61,7 +61,10 @@ def test_attribute_assignment_registers_parameters_and_modules():
     assert isinstance(net.fc1.weight, nn.Parameter) and net.fc1.weight.requires_grad
     with pytest.raises(AttributeError, match="nonexistent"):
         net.nonexistent  # noqa: B018
-    # Re-assigning a name with a plain value unregisters it.
+    # A plain value cannot replace a parameter (PyTorch's rule); deleting it first can.
+    with pytest.raises(TypeError, match=r"cannot assign float as parameter 'scale'"):
+        net.scale = 3.0
+    del net.scale
     net.scale = 3.0
     assert "scale" not in dict(net.named_parameters()) and net.scale == 3.0
 

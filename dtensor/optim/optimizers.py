@@ -19,6 +19,7 @@ import numpy as np
 from dtensor.autograd import no_grad
 from dtensor.ops.nn import adamw_step
 from dtensor.tensor import TensorMethods
+from dtensor.validate import as_bool
 
 __all__ = ["Optimizer", "SGD", "AdamW"]
 
@@ -275,6 +276,7 @@ class Optimizer:
         """Rules between hyperparameters (each alone already checked)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        set_to_none = as_bool(set_to_none, "zero_grad: set_to_none")
         for g in self.param_groups:
             for p in g["params"]:
                 if set_to_none or p.grad is None:

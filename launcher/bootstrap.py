@@ -15,14 +15,17 @@ directory (``DTENSOR_LAUNCH_DIR``): ``rank{r}.pid`` (pid and host, for SIGUSR1 a
 ``rank{r}.stack`` (faulthandler's dump on SIGUSR1), ``rank{r}.err`` (the traceback of an uncaught
 exception, written instead of printing it so that dtlaunch shows it exactly once, last),
 ``rank{r}.done`` (when and how the script ended without an error), ``rank{r}.orphan`` (the
-rank's parent, MPI's process manager, died) and, for the pool,
+rank's parent, MPI's process manager, died), ``rank{r}.blocked`` (since when the rank's main
+thread has sat in one blocking MPI call, for dtlaunch's deadlock check) and, for the pool,
 ``rank{r}.out`` (the rank's stdout+stderr) and the AF_UNIX socket ``pool.sock``.
 """
 from __future__ import annotations
 
 import faulthandler
 import json
+import linecache
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +41,24 @@ ENV_DIR = "DTENSOR_LAUNCH_DIR"
 ENV_AUTHKEY = "DTENSOR_LAUNCH_AUTHKEY"
 ENV_CAPTURE = "DTENSOR_LAUNCH_CAPTURE"
 ENV_PARENT = "DTENSOR_LAUNCH_PARENT"  # "pid@host" of dtlaunch / the RankPool's process
+ENV_HANG = "DTENSOR_LAUNCH_HANG"  # "1": keep rank{r}.blocked for dtlaunch's deadlock check
+
+# Blocking mpi4py calls: a rank whose main thread sits in one of these waits for its peers.
+# Lower-case names that are common outside MPI (wait, reduce, gather, scan: events, processes,
+# ufuncs, asyncio) are left out, so a rank blocked in one of those is never taken for stuck.
+MPI_WAIT = re.compile(
+    r"\.(Barrier|Bcast|Gatherv?|Scatterv?|Allgatherv?|Alltoall[vw]?|Reduce|Allreduce"
+    r"|Reduce_scatter(_block)?|Scan|Exscan|Send|Ssend|Bsend|Rsend|Recv|Sendrecv(_replace)?"
+    r"|M?[Pp]robe|Wait(all|any|some)?|barrier|bcast|allreduce|allgather|alltoall|scatter"
+    r"|send|ssend|recv|sendrecv)\)?\s*\(")  # ")(": a call through a conditional expression
+_COMM_FILE = os.path.join("", "dtensor", "comm.py")
+
+
+def in_mpi_call(file: str, source: str) -> bool:
+    """Whether a thread whose innermost Python frame is at ``source`` (a line of ``file``) sits
+    in a blocking MPI call: an mpi4py call on that line, or any line of dtensor's communicator
+    (whose calls go through local names too: ``call(x, out, op=mpi_op)``)."""
+    return file.endswith(_COMM_FILE) or bool(MPI_WAIT.search(source))
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 # MPICH busy-polls while a rank waits (sched_yield every MPIR_CVAR_POLLS_BEFORE_YIELD=1000 polls,
@@ -254,6 +275,8 @@ def run_script(info: RankInfo, argv: list[str]) -> None:
     sys.argv[:] = argv
     sys.path[0] = os.path.realpath(os.path.dirname(script))  # as `python script.py` would
     report_dir = os.environ.get(ENV_DIR)
+    if report_dir and os.environ.get(ENV_HANG) == "1":
+        _report_mpi_waits(report_dir, info.rank)
     try:
         run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt) as exc:
@@ -276,6 +299,58 @@ def run_script(info: RankInfo, argv: list[str]) -> None:
         raise SystemExit(1) from None
     if report_dir:
         _report_finished(report_dir, info.rank, "returned")
+
+
+def _report_mpi_waits(report_dir: str, rank: int) -> None:
+    """Keep ``rank{r}.blocked`` (``{"rank", "since"}``) while the main thread has sat in one
+    blocking MPI call since ``since``, and remove it once the thread moves on.
+
+    A stack seen at the same MPI call twice does not tell a stuck rank from one looping over
+    that call. A pending call (Py_AddPendingCall) does: the main thread runs it at its next
+    bytecode, so one queued while the thread was in an MPI call and still pending a second later
+    means the thread has not left that call since. A thread wakes once a second and reads one
+    frame; it queues at most one pending call at a time, so a healthy job pays microseconds.
+    """
+    import ctypes
+
+    path = os.path.join(report_dir, f"rank{rank}.blocked")
+    main = threading.main_thread().ident
+    ran = threading.Event()
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    def probe(_: object) -> int:
+        ran.set()
+        return 0
+
+    add_pending_call = ctypes.pythonapi.Py_AddPendingCall
+    add_pending_call.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+
+    def watch() -> None:
+        queued, written, since = False, False, 0.0
+        while True:
+            time.sleep(1.0)
+            queued = queued and not ran.is_set()
+            frame = sys._current_frames().get(main)
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno) if frame else ""
+            waiting = frame is not None and in_mpi_call(frame.f_code.co_filename, line)
+            del frame  # holding it would keep the user's locals alive
+            try:  # the launcher removes the directory as the job ends
+                if waiting and queued:
+                    if not written:
+                        _write_atomic(path, json.dumps({"rank": rank, "since": since}))
+                        written = True
+                    continue
+                if written:
+                    written = False
+                    os.remove(path)
+            except OSError:
+                pass
+            if waiting and not queued:
+                ran.clear()
+                queued = add_pending_call(probe, None) == 0  # -1: queue full, try next time
+                since = time.time()
+
+    threading.Thread(target=watch, name="dtensor-launcher-mpi-waits", daemon=True).start()
 
 
 def _report_finished(report_dir: str, rank: int, how: str) -> None:

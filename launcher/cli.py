@@ -26,6 +26,13 @@ once a second and ends the job with status 1 and a message naming what happened:
   sample after the rest are done) are left alone, however long they take.
 - a child of mpiexec (hydra's proxy, or ssh to a remote host) died while mpiexec still runs;
   its ranks notice too (their parent is gone) and exit within a second.
+- every rank has sat in one blocking MPI call for ``DTENSOR_HANG_TIMEOUT`` seconds (default 30)
+  and shows the same stack in two looks a second apart: the ranks wait in different or
+  mismatched collectives (rank 0 in an all_gather, rank 1 in an all_reduce), a deadlock. Each
+  rank tells how long it has sat in its call without running any Python (``rank{r}.blocked``,
+  see bootstrap.py), so ranks looping over collectives, or waiting while one rank computes, are
+  never taken for deadlocked; a transfer that alone takes longer than the timeout would be.
+  Checked when every rank runs on this host; ``inf`` turns the check off.
 """
 from __future__ import annotations
 
@@ -39,11 +46,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dtensor.launcher.bootstrap import ENV_HANG
 from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
 
 TIMEOUT_EXIT = 124  # as coreutils' timeout(1)
 GRACE_VAR = "DTENSOR_EXIT_GRACE"
 DEFAULT_GRACE = 10.0
+HANG_VAR = "DTENSOR_HANG_TIMEOUT"
+# Far above any one collective of a healthy single-host job (they take milliseconds, and a rank
+# waiting for a computing peer is not counted: the peer is not in MPI), yet a deadlock ends
+# within about half a minute.
+DEFAULT_HANG = 30.0
 # A normal end has hydra's proxy exit a moment before mpiexec; a proxy gone this long while
 # mpiexec still runs was killed.
 CHILD_GONE_S = 2.0
@@ -83,15 +96,15 @@ def _check(opts: argparse.Namespace) -> None:
         raise ValueError(f"--timeout must be a positive number of seconds, got {opts.timeout}")
 
 
-def _exit_grace() -> float:
-    text = os.environ.get(GRACE_VAR, str(DEFAULT_GRACE))
+def _seconds(var: str, default: float, off: str) -> float:
+    text = os.environ.get(var, str(default))
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not value >= 0:
-        raise ValueError(f"{GRACE_VAR}={text!r} must be a number of seconds >= 0 (default "
-                         f"{DEFAULT_GRACE:g}; 'inf' turns the check for ranks left waiting off)")
+        raise ValueError(f"{var}={text!r} must be a number of seconds >= 0 (default "
+                         f"{default:g}; 'inf' turns {off} off)")
     return value
 
 
@@ -110,15 +123,16 @@ class _Watch:
     :meth:`check` returns the report to print, its last line naming what failed, or None.
     """
 
-    def __init__(self, job: MpiJob, grace: float) -> None:
-        self.job, self.grace = job, grace
+    def __init__(self, job: MpiJob, grace: float, hang: float) -> None:
+        self.job, self.grace, self.hang = job, grace, hang
         self.children: dict[int, str] = {}
         self.child_gone_at: float | None = None
         self.first_done_at: float | None = None
         self.waits = StuckWatch(job)
+        self.deadlock = StuckWatch(job)
 
     def check(self) -> str | None:
-        return self._lost_child() or self._left_waiting()
+        return self._lost_child() or self._left_waiting() or self._deadlocked()
 
     def _lost_child(self) -> str | None:
         if not self.children:  # hydra starts them once, at once
@@ -184,6 +198,34 @@ class _Watch:
         return "".join(lines)
 
 
+    def _deadlocked(self) -> str | None:
+        ranks = range(self.job.nproc)
+        blocked = self.job.records("blocked")  # only ranks in an MPI call have one
+        now = time.time()
+        if (len(blocked) < len(ranks) or any(now - b["since"] < self.hang
+                                             for b in blocked.values())
+                or self.job.records("done") or self.job.failures()):
+            self.deadlock.seen = None
+            return None
+        waits = self.deadlock.stuck(ranks)  # the stacks: a second look confirms the first
+        if not waits:
+            return None
+        lines = [f"dtlaunch: every rank has waited in a blocking MPI call for over "
+                 f"{self.hang:g} s ({HANG_VAR}), at the same place in two looks: the ranks are "
+                 "in different or mismatched collectives, a deadlock:\n"]
+        lines += [f"  rank {r}: {where}\n" for r, (where, _) in sorted(waits.items())]
+        lines.append("dtlaunch: Python stacks:\n")
+        lines += [f"--- rank {r} ---\n{stack}" for r, (_, stack) in sorted(waits.items())]
+        lines.append("dtlaunch: every rank must issue the same collectives in the same order "
+                     "(same operation, root, shape and dtype): look for a collective inside a "
+                     "rank-dependent `if`, or ranks taking different paths through the code\n")
+        calls = "; ".join(f"rank {r} in {where.split(' (in ')[0]}"
+                          for r, (where, _) in sorted(waits.items()))
+        lines.append(f"dtlaunch: job failed: deadlock in mismatched collectives: {calls}; "
+                     "exit status 1\n")
+        return "".join(lines)
+
+
 def failure_summary(failures: Sequence[dict[str, Any]], status: int) -> str:
     """The closing lines for ranks that raised: the first rank's traceback once, then one line.
 
@@ -222,10 +264,10 @@ def _wait(job: MpiJob, timeout: float | None, watch: _Watch) -> tuple[int, str |
                 return 1, report
 
 
-def _run(job: MpiJob, timeout: float | None, grace: float) -> int:
+def _run(job: MpiJob, timeout: float | None, grace: float, hang: float) -> int:
     proc = job.proc
     assert proc is not None, "start the job first"
-    watch = _Watch(job, grace)
+    watch = _Watch(job, grace, hang)
     try:
         status, report = _wait(job, timeout, watch)
     except subprocess.TimeoutExpired:
@@ -284,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
     try:
         _check(opts)
-        grace = _exit_grace()
+        grace = _seconds(GRACE_VAR, DEFAULT_GRACE, "the check for ranks left waiting")
+        hang = _seconds(HANG_VAR, DEFAULT_HANG, "the check for deadlocked ranks")
         mpiexec = find_mpiexec(opts.mpiexec)
     except (ValueError, FileNotFoundError) as exc:
         print(f"dtlaunch: error: {exc}", file=sys.stderr)
@@ -301,10 +344,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     job = MpiJob(opts.nproc, [opts.script, *opts.args], mpiexec=mpiexec, hostfile=opts.hostfile,
-                 prefix=not opts.no_prefix)
+                 prefix=not opts.no_prefix, env={ENV_HANG: "1" if hang < float("inf") else "0"})
     try:
         job.start(stdin=stdin)
-        return _run(job, opts.timeout, grace)
+        return _run(job, opts.timeout, grace, hang)
     finally:
         job.close()
         if in_main_thread:

@@ -8,6 +8,7 @@ launch directory in its environment) and killing each.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import linecache
 import os
@@ -24,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
-from dtensor.launcher.bootstrap import ENV_DIR, ENV_PARENT, apply_rank_env
+from dtensor.launcher.bootstrap import ENV_DIR, ENV_PARENT, apply_rank_env, in_mpi_call
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
 PREFIX_PATTERN = "[rank%r] "  # hydra replaces %r with the rank
@@ -90,28 +91,42 @@ def _proc_ppids() -> dict[int, int]:
 
 _FRAME = re.compile(r'\s*File "(.+)", line (\d+) in ')
 
-# Blocking mpi4py calls: a rank whose main thread sits in one of these waits for its peers.
-# Lower-case names that are common outside MPI (wait, reduce, gather, scan: events, processes,
-# ufuncs, asyncio) are left out, so a rank blocked in one of those is never taken for stuck.
-_MPI_WAIT = re.compile(
-    r"\.(Barrier|Bcast|Gatherv?|Scatterv?|Allgatherv?|Alltoall[vw]?|Reduce|Allreduce"
-    r"|Reduce_scatter(_block)?|Scan|Exscan|Send|Ssend|Bsend|Rsend|Recv|Sendrecv(_replace)?"
-    r"|M?[Pp]robe|Wait(all|any|some)?|barrier|bcast|allreduce|allgather|alltoall|scatter"
-    r"|send|ssend|recv|sendrecv)\s*\(")
+def _main_thread_frames(stack: str) -> list[tuple[str, int]]:
+    """(file, line) of each frame of the main thread in a faulthandler dump, innermost first.
 
-
-def _main_thread_call(stack: str) -> tuple[str, int, str] | None:
-    """(file, line, source) of the innermost frame of the main thread in a faulthandler dump.
-
-    The main thread is the one whose outermost frame is bootstrap.py's module code; the dump
-    lists each thread's frames innermost first.
+    The main thread is the one whose outermost frame is bootstrap.py's module code.
     """
     for block in re.split(r"\n(?=\S)", stack):
         frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
         if frames and frames[-1][1] == BOOTSTRAP and block.rstrip().endswith("in <module>"):
-            file, line = frames[0][1], int(frames[0][2])
-            return file, line, linecache.getline(file, line).strip()
-    return None
+            return [(m[1], int(m[2])) for m in frames]
+    return []
+
+
+def _library_dirs() -> tuple[str, ...]:
+    import dtensor
+
+    dirs = [*dtensor.__path__, os.path.dirname(__file__)]
+    spec = importlib.util.find_spec("dtensor.compile")
+    dirs += (spec.submodule_search_locations or []) if spec is not None else []
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+
+
+def _mpi_wait_site(stack: str) -> str | None:
+    """Where the main thread waits, if in a blocking MPI call: ``"file:line: source"`` of the
+    user's frame (the innermost outside dtensor), followed by the MPI call's own when dtensor
+    made it."""
+    frames = _main_thread_frames(stack)
+    if not frames:
+        return None
+    source = [linecache.getline(file, line).strip() for file, line in frames]
+    if not in_mpi_call(frames[0][0], source[0]):
+        return None
+    library = _library_dirs()
+    user = next((i for i, (file, _) in enumerate(frames)
+                 if not os.path.realpath(file).startswith(library) and file != BOOTSTRAP), 0)
+    site = f"{frames[user][0]}:{frames[user][1]}: {source[user]}"
+    return site if user == 0 else f"{site} (in {frames[0][0]}:{frames[0][1]}: {source[0]})"
 
 
 def _user_frames(stack: str) -> str:
@@ -214,16 +229,16 @@ class MpiJob:
         """The ranks among ``ranks`` whose main thread is inside a blocking MPI call.
 
         Returns:
-            ``{rank: (where, stack)}``: ``where`` is ``"file:line: source"`` of the call, and
-            ``stack`` the rank's Python stack as :meth:`dump_stacks` gives it. Ranks elsewhere,
-            not started, or silent are left out.
+            ``{rank: (where, stack)}``: ``where`` is ``"file:line: source"`` of the user's call
+            (see :func:`_mpi_wait_site`), and ``stack`` the rank's Python stack as
+            :meth:`dump_stacks` gives it. Ranks elsewhere, not started, or silent are left out.
         """
         pids = {r: p for r, p in self.rank_pids().items() if r in ranks}
         found = {}
         for rank, stack in self._raw_stacks(pids, wait).items():
-            call = _main_thread_call(stack)
-            if call is not None and _MPI_WAIT.search(call[2]):
-                found[rank] = (f"{call[0]}:{call[1]}: {call[2]}", _user_frames(stack))
+            where = _mpi_wait_site(stack)
+            if where is not None:
+                found[rank] = (where, _user_frames(stack))
         return found
 
     def _raw_stacks(self, pids: Mapping[int, int], wait: float) -> dict[int, str]:
@@ -249,8 +264,8 @@ class MpiJob:
 
     def records(self, kind: str) -> dict[int, dict[str, Any]]:
         """The ranks' JSON reports of one kind, by rank: ``"err"`` (raised), ``"done"`` (the
-        script ended without an error) or ``"orphan"`` (the rank's parent died), see
-        bootstrap.py."""
+        script ended without an error), ``"orphan"`` (the rank's parent died) or ``"blocked"``
+        (since when it has sat in one MPI call), see bootstrap.py."""
         found = {}
         for rank in range(self.nproc):
             try:

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from dtensor.launcher import (RankDiedError, RankError, RankPool, RankTimeoutError,
                               apply_rank_env, spawn)
-from dtensor.launcher.bootstrap import available_cores
-from dtensor.launcher.job import _MPI_WAIT, pid_alive
+from dtensor.launcher.bootstrap import available_cores, in_mpi_call
+from dtensor.launcher.job import pid_alive
 
 pytestmark = pytest.mark.timeout(120)
 DTLAUNCH = Path(sys.executable).parent / "dtlaunch"
@@ -255,7 +255,12 @@ def test_a_rank_finishing_seconds_after_the_others_is_a_healthy_job(tmp_path: Pa
     assert status == 0 and "[rank0] rank 0 done" in out, (status, out)
 
 
-@pytest.mark.parametrize("line, waits", [
+@pytest.mark.parametrize("file, line, waits", [
+    ("/x/dtensor/comm.py", "req = call(x, out, op=mpi_op)", True),  # any line of dtensor's comm
+    ("/x/dtensor/tensor.py", "req = call(x, out, op=mpi_op)", False),
+    ("a.py", "req = (self._c.Iallgather if async_op else self._c.Allgather)(x, out)", True),
+]
+    + [("a.py", line, waits) for line, waits in [
     ("self._c.Allreduce(send, out, op=mpi_op)", True),
     ("MPI.COMM_WORLD.Barrier()", True),
     ("data = comm.recv(source=1)", True),
@@ -267,9 +272,100 @@ def test_a_rank_finishing_seconds_after_the_others_is_a_healthy_job(tmp_path: Pa
     ("message = conn.recv_bytes()", False),
     ("results = asyncio.gather(*tasks)", False),
     ("time.sleep(1)", False),
+]])
+def test_which_source_lines_count_as_waiting_in_mpi(file: str, line: str, waits: bool) -> None:
+    assert in_mpi_call(file, line) == waits
+
+
+# Every rank alive, each waiting in a collective the others never join.
+DEADLOCKS = [
+    pytest.param("""
+        import dtensor
+        from dtensor import Shard, distribute_tensor, init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,))
+        d = distribute_tensor(dtensor.arange(8.0), mesh, [Shard(0)])
+        if mesh.get_coordinate()[0] == 0:
+            d.full_tensor()  # all_gather
+        else:
+            d.sum().full_tensor()  # all_reduce
+    """, ["d.full_tensor()", "d.sum().full_tensor()"], id="all_gather-vs-all_reduce"),
+    pytest.param("""
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank == 0:
+            MPI.COMM_WORLD.Barrier()
+        else:
+            MPI.COMM_WORLD.bcast("x", root=0)
+    """, ["MPI.COMM_WORLD.Barrier()", 'MPI.COMM_WORLD.bcast("x", root=0)'],
+        id="barrier-vs-bcast"),
+    pytest.param("""
+        import numpy as np
+        from dtensor.comm import get_world
+
+        world = get_world()
+        for step in range(3):  # a loop of matched collectives first: progress, not a hang
+            world.all_reduce(np.ones(3))
+        if world.rank == 0:
+            world.recv(np.zeros(1), src=1)
+        world.barrier()
+    """, ["world.recv(np.zeros(1), src=1)", "world.barrier()"], id="recv-vs-barrier"),
+]
+
+
+@pytest.mark.parametrize("source, calls", DEADLOCKS)
+def test_ranks_deadlocked_in_mismatched_collectives_end_the_job_naming_each_call(
+        tmp_path: Path, source: str, calls: list[str]) -> None:
+    status, out, seconds, script = dtlaunch(tmp_path, source, "--nproc", "2",
+                                            env={"DTENSOR_HANG_TIMEOUT": "3"})
+    assert status == 1 and seconds < 20, (status, seconds, out)
+    assert "different or mismatched collectives" in out and "same order" in out, out
+    last = out.splitlines()[-1]
+    assert "job failed: deadlock" in last, out
+    for rank, call in enumerate(calls):
+        assert f"rank {rank} in {script}:" in last and f": {call}" in last, (call, last)
+    assert_no_orphans(script)
+
+
+@pytest.mark.parametrize("source", [
+    pytest.param("""
+        import time
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.rank == 0:
+            end = time.monotonic() + 6
+            while time.monotonic() < end:  # computing while rank 1 waits
+                sum(range(1000))
+        MPI.COMM_WORLD.Barrier()
+        print("done")
+    """, id="one-rank-computes-6s"),
+    pytest.param("""
+        import time
+        import numpy as np
+        from dtensor.comm import get_world
+
+        world = get_world()
+        if world.rank == 1:
+            time.sleep(5)
+        world.all_reduce(np.ones(3))
+        print("done")
+    """, id="one-rank-sleeps-5s"),
+    pytest.param("""
+        import time
+        import numpy as np
+        from mpi4py import MPI
+
+        end, out = time.monotonic() + 6, np.zeros(1)
+        flag = np.zeros(1)
+        while not flag[0]:  # every rank inside this one Allreduce line nearly all the time
+            MPI.COMM_WORLD.Allreduce(np.array([float(time.monotonic() > end)]), flag)
+        print("done")
+    """, id="collectives-only-loop-6s"),
 ])
-def test_which_source_lines_count_as_waiting_in_mpi(line: str, waits: bool) -> None:
-    assert bool(_MPI_WAIT.search(line)) == waits
+def test_healthy_jobs_are_never_taken_for_deadlocked(tmp_path: Path, source: str) -> None:
+    status, out, _, _ = dtlaunch(tmp_path, source, "--nproc", "2",
+                                 env={"DTENSOR_HANG_TIMEOUT": "3"})
+    assert status == 0 and out.count("] done") == 2, (status, out)
 
 
 def _children(pid: int) -> list[int]:
@@ -435,6 +531,8 @@ def test_rank_env_policy() -> None:
     (["--nproc", "2", "--mpiexec", "/no/such/mpiexec", __file__], {}, ["/no/such/mpiexec"]),
     (["--nproc", "2", __file__], {"DTENSOR_EXIT_GRACE": "soon"}, ["DTENSOR_EXIT_GRACE='soon'"]),
     (["--nproc", "2", __file__], {"DTENSOR_EXIT_GRACE": "-1"}, ["DTENSOR_EXIT_GRACE='-1'", "inf"]),
+    (["--nproc", "2", __file__], {"DTENSOR_HANG_TIMEOUT": "1m"},
+     ["DTENSOR_HANG_TIMEOUT='1m'", "default 30", "inf"]),
 ])
 def test_usage_errors_say_what_and_how_to_fix(opts: list[str], env: dict[str, str],
                                               words: list[str]) -> None:

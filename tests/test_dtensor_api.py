@@ -312,3 +312,45 @@ def test_an_optimizer_built_differently_on_one_rank_fails_on_every_rank(rank):
     p.grad = distribute_tensor(np.ones((4, 2), np.float32), mesh, [Replicate()])
     opt.step()
     np.testing.assert_allclose(p.full_tensor().numpy(), 0.9)
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_a_bad_index_in_one_ranks_rows_raises_on_every_rank(rank):
+    """Sharded ids or targets: the bad value lies in rank 1's block only, yet both ranks raise
+    the same IndexError (rank 0 would otherwise wait in the next collective)."""
+    from dtensor.comm import get_world
+    from dtensor.nn import GPT, GPTConfig
+    from dtensor.parallel import parallelize
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    dp = dtensor.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    ids = np.array([[0, 3], [2, -1]])  # -1 lands in rank 1's row
+    tgt = np.array([1, 0, 9, 4])       # 9 lands in rank 1's rows
+    logits = np.zeros((4, 5), np.float32)
+    cfg = GPTConfig(vocab_size=10, n_layer=1, n_embd=8, n_head=2, mlp_hidden=16, block_size=4)
+    model = parallelize(GPT(cfg), dp)
+    good = np.zeros((2, 4), np.int64)
+    bad = good.copy()
+    bad[1, 2] = 10
+    cases = [
+        ("vocab-parallel lookup", lambda: F.embedding(
+            distribute_tensor(ids, mesh, [Shard(0)]),
+            distribute_tensor(np.ones((10, 4), np.float32), mesh, [Shard(0)])),
+         r"embedding failed on rank 1: embedding: index -1 is out of range for 10 rows"),
+        ("replicated-weight lookup", lambda: F.embedding(
+            distribute_tensor(ids, mesh, [Shard(0)]),
+            distribute_tensor(np.ones((10, 4), np.float32), mesh, [dtensor.Replicate()])),
+         r"embedding failed on rank 1: embedding: index -1"),
+        ("sharded cross_entropy", lambda: F.cross_entropy(
+            distribute_tensor(logits, mesh, [Shard(0)]), distribute_tensor(tgt, mesh, [Shard(0)])),
+         r"cross_entropy failed on rank 1: cross_entropy: target 9 is out of range for 5"),
+        ("data-parallel GPT ids", lambda: model(bad, good),
+         r"embedding failed on rank 1: embedding: index 10 is out of range for 10 rows"),
+        ("data-parallel GPT targets", lambda: model(good, bad),
+         r"cross_entropy failed on rank 1: cross_entropy: target 10 is out of range"),
+    ]
+    for name, call, pattern in cases:
+        with pytest.raises(IndexError, match=pattern) as info:
+            call()
+        theirs = get_world()._c.allgather(str(info.value))
+        assert theirs[0] == theirs[1], name
+    model(good, good)  # and good ids still run

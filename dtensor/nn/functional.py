@@ -15,6 +15,7 @@ from dtensor import random
 from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
+from dtensor.placements import Shard
 from dtensor.tensor import TensorMethods, as_tensor
 from dtensor.validate import as_bool, as_dim, as_int, as_real, as_shape
 
@@ -157,6 +158,27 @@ def _index_values(t) -> np.ndarray | None:
     return local if isinstance(local, np.ndarray) else None
 
 
+def _check_index(t, what: str, check) -> None:
+    """``check`` this rank's index values. Where a DTensor of indices is sharded its blocks
+    differ by rank: a bad index in one block must raise on every rank (one small allgather),
+    not leave the others waiting in the lookup's collectives."""
+    values = _index_values(t)
+    if values is None:
+        return
+    spec = getattr(t, "_spec", None)
+    if spec is None or spec.mesh.size() == 1 or not any(
+            isinstance(p, Shard) for p in spec.placements):
+        check(values)
+        return
+    from dtensor.comm import get_world
+    error = None
+    try:
+        check(values)
+    except IndexError as e:
+        error = e
+    get_world().check_same(what, error=error)
+
+
 def embedding(idx, weight):
     """Rows ``weight[idx]``: (..., ) int indices -> (..., D).
 
@@ -171,11 +193,11 @@ def embedding(idx, weight):
         raise ValueError(f"embedding: weight must be 2-d (num_embeddings, embedding_dim), got "
                          f"shape {tuple(weight.shape)}; check the argument order: "
                          f"embedding(indices, weight).")
-    values = _index_values(idx)
-    if values is not None:  # here, not in the lookup, for one message eager and sharded
-        st.check_rows(values, weight.shape[0], "embedding: index",
-                      fix=f"Fix the indices, or make the embedding's num_embeddings "
-                          f"({weight.shape[0]}) larger.")
+    # Here, not in the lookup, for one message eager and sharded.
+    _check_index(idx, "embedding", lambda values: st.check_rows(
+        values, weight.shape[0], "embedding: index",
+        fix=f"Fix the indices, or make the embedding's num_embeddings ({weight.shape[0]}) "
+            f"larger."))
     return st.index_select(weight, idx)
 
 
@@ -237,12 +259,11 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
     if not np.issubdtype(target.dtype, np.integer):
         raise TypeError(f"cross_entropy: target must hold class indices (integers), got dtype "
                         f"{target.dtype}.")
-    values = _index_values(target)
-    if values is not None:
-        # Against the global class count: under loss_parallel each rank holds a block of the
-        # classes, and the vocab-parallel gather would let a target no block holds give 0.
-        st.check_rows(values, input.shape[-1], "cross_entropy: target", "classes",
-                      nnops.CE_FIX, ignore_index=ignore_index)
+    # Against the global class count: under loss_parallel each rank holds a block of the
+    # classes, and the vocab-parallel gather would let a target no block holds give 0.
+    _check_index(target, "cross_entropy", lambda values: st.check_rows(
+        values, input.shape[-1], "cross_entropy: target", "classes", nnops.CE_FIX,
+        ignore_index=ignore_index))
     if _vocab_parallel(input):
         from dtensor.parallel.loss import target_like, vocab_parallel_nll
         target = target_like(target, input)

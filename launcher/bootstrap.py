@@ -172,8 +172,10 @@ def start_rank() -> RankInfo:
         global _stack_file  # faulthandler writes to its fd; the file must outlive this call
         _stack_file = open(os.path.join(report_dir, f"rank{info.rank}.stack"), "a")  # noqa: SIM115
         faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+        # The parent (hydra's proxy) too: dtlaunch may first look after it already died.
         _write_atomic(os.path.join(report_dir, f"rank{info.rank}.pid"),
-                      json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+                      json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "ppid": os.getppid(), "parent": _process_name(os.getppid())}))
     else:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     _exit_when_orphaned(info.rank)
@@ -194,6 +196,14 @@ def _launcher_gone() -> bool:
     return False
 
 
+def _process_name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # not Linux
+        return "parent process"
+
+
 def _exit_when_orphaned(rank: int) -> None:
     """End this rank (and so, through mpiexec, the job) once its launcher or its parent is gone.
 
@@ -204,11 +214,7 @@ def _exit_when_orphaned(rank: int) -> None:
     thread checks both every second; an orphaned rank leaves ``rank{r}.orphan`` for dtlaunch.
     """
     parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/comm") as f:
-            name = f.read().strip()
-    except OSError:  # not Linux
-        name = "parent process"
+    name = _process_name(parent)
 
     def watch() -> None:
         while True:

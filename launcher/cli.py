@@ -136,7 +136,9 @@ class _Watch:
 
     def _lost_child(self) -> str | None:
         if not self.children:  # hydra starts them once, at once
-            self.children = self.job.children()
+            # ... and the ranks recorded theirs: a proxy killed before this first look is
+            # no longer mpiexec's child, but it is still the ranks' parent that died.
+            self.children = {**self.job.rank_parents(), **self.job.children()}
             return None
         if self.child_gone_at is None:
             # Under an mpiexec that forks the ranks itself (gforker, Open MPI), they are its

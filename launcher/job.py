@@ -211,6 +211,20 @@ class MpiJob:
                 pids[rank] = int(record["pid"])
         return pids
 
+    def rank_parents(self) -> dict[int, str]:
+        """The processes that started this host's ranks (hydra's proxy), as the ranks recorded
+        them at start: pid -> name; mpiexec itself left out (it forks the ranks under some
+        process managers)."""
+        found = {}
+        for rank in self.rank_pids():
+            try:
+                record = json.loads(Path(self.path(f"rank{rank}.pid")).read_text())
+            except (OSError, ValueError):
+                continue
+            if "ppid" in record and self.proc is not None and record["ppid"] != self.proc.pid:
+                found[int(record["ppid"])] = str(record["parent"])
+        return found
+
     def dump_stacks(self, wait: float = 3.0) -> dict[int, str]:
         """Every rank's Python stack, from faulthandler on SIGUSR1, by rank.
 

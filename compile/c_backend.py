@@ -437,17 +437,19 @@ def build(source: str) -> ctypes.CDLL:
     if opened is None:
         # Every file this process writes is its own until renamed into place (atomically):
         # ranks building the same library at once never read each other's half-written files.
+        # All compile the one path.c (the same bytes, replaced atomically): the library
+        # records its source's file name, so builders' libraries, and digests, are identical.
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             cache.write_atomic(tmp + ".c", source.encode())
+            os.replace(tmp + ".c", path + ".c")  # kept for the error's line numbers too
             try:
-                done = subprocess.run([cc, *FLAGS, "-o", tmp + ".so", tmp + ".c", "-lm"],
+                done = subprocess.run([cc, *FLAGS, "-o", tmp + ".so", path + ".c", "-lm"],
                                       capture_output=True, text=True)
             except OSError as e:
                 raise CompilerNotFound(f"dtensor.compile(backend='c'): cannot run the C "
                                        f"compiler {cc!r} ({e}); set $CC to one, or use "
                                        f"backend='numpy'.")
-            os.replace(tmp + ".c", path + ".c")  # kept for the error's line numbers
             if done.returncode:
                 raise RuntimeError(f"dtensor.compile(backend='c'): {cc} failed on {path}.c:\n"
                                    f"{done.stderr[-4000:]}")

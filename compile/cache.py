@@ -41,7 +41,11 @@ def cache_dir() -> str:
     parent = os.path.dirname(d)
     _check_ancestors(d, parent)  # before creating anything under a folder we could not trust
     if not os.path.isdir(parent):
-        os.makedirs(parent, exist_ok=True)
+        old = os.umask(0o022)  # folders we create are not writable by others, whatever umask
+        try:
+            os.makedirs(parent, mode=0o755, exist_ok=True)
+        finally:
+            os.umask(old)
         _check_ancestors(d, parent)
     try:
         os.mkdir(d, 0o700)

@@ -275,6 +275,7 @@ def _reduce_table() -> dict:
 
 
 _NUMPY_OPS: dict = {}
+_ABANDONED: list = []  # (request, buffer) of agreement waits that timed out
 
 
 def _numpy_op(op: str, dtype: np.dtype):
@@ -642,6 +643,8 @@ class Comm:
                 os.sched_yield()
                 continue
             if waited > limit:
+                # A late rank still completes this request: its buffer must outlive us.
+                _ABANDONED.append((req, got))
                 raise TimeoutError(
                     f"{what} is collective: every rank of the group {list(self.ranks)} must call "
                     f"it, and rank {self.ranks[self.rank]} waited {limit:g} s for the others. "

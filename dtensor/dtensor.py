@@ -329,11 +329,13 @@ def _agreed(mesh: DeviceMesh, what: str, check, fix: str = "", **fields):
     error, result = None, None
     try:
         result = check()
-    except (ValueError, TypeError, IndexError) as e:
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised
         error = e
     if mesh.size() > 1:
-        from dtensor.comm import get_world
-        get_world().check_same(what, fix, error=error, **fields)
+        # ([Shard(0)] and (Shard(0),) are one argument, as are [4, 6] and (4, 6))
+        mesh.check_same(what, fix, error=error, **{
+            k: (list if k == "placements" else tuple)(v) if isinstance(v, (list, tuple)) else v
+            for k, v in fields.items()})
     elif error is not None:
         raise error
     return result

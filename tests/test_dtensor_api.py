@@ -354,3 +354,27 @@ def test_a_bad_index_in_one_ranks_rows_raises_on_every_rank(rank):
         theirs = get_world()._c.allgather(str(info.value))
         assert theirs[0] == theirs[1], name
     model(good, good)  # and good ids still run
+
+
+@pytest.mark.ranks(4, timeout=120)
+def test_agreement_on_a_sub_mesh_is_within_its_groups(rank):
+    """The tp groups of a (dp, tp) mesh hold different ranks and may hold different data:
+    each group agrees within itself, and a mismatch inside one group is still caught."""
+    mesh = dtensor.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    x = np.arange(8, dtype=np.float32).reshape(4, 2) + 100 * (rank // 2)
+    d = distribute_tensor(x, tp, [Shard(0)], src_data_rank=None)
+    np.testing.assert_array_equal(d.redistribute(tp, [Replicate()]).to_local().numpy(), x)
+    dtensor.manual_seed(rank // 2)  # one seed per dp group: fine within each tp group
+    dtensor.randn(4, 2, device_mesh=tp, placements=[Replicate()])
+    first = rank - rank % 2  # the group's global ranks name the culprits
+    with pytest.raises(ValueError, match=rf"placements: \[S\(0\)\] on ranks \[{first}\], "
+                                         rf"\[S\(1\)\] on ranks \[{first + 1}\]"):
+        d.redistribute(tp, [Shard(rank % 2)])
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_an_optimizer_groups_own_keys_are_not_compared(rank):
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    p = dtensor.nn.Parameter(distribute_tensor(np.ones((2, 2), np.float32), mesh, [Replicate()]))
+    dtensor.optim.SGD([{"params": [p], "hook": lambda g: g}], lr=0.1)  # reprs differ by rank

@@ -170,13 +170,12 @@ def _check_index(t, what: str, check) -> None:
             isinstance(p, Shard) for p in spec.placements):
         check(values)
         return
-    from dtensor.comm import get_world
     error = None
     try:
         check(values)
     except IndexError as e:
         error = e
-    get_world().check_same(what, error=error)
+    spec.mesh.check_same(what, error=error)
 
 
 def embedding(idx, weight):

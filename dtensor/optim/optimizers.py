@@ -142,11 +142,10 @@ class Optimizer:
         mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
         if mesh is None or mesh.size() == 1:
             return
-        from dtensor.comm import get_world
-        get_world().check_same(
+        mesh.check_same(
             name, "Build the optimizer with the same parameters and hyperparameters on every "
-                  "rank.",
-            hyperparameters=[{k: v for k, v in g.items() if k != "params"}
+                  "rank.",  # (a group's own extra keys, say a callable, are the user's)
+            hyperparameters=[{k: g[k] for k in self.hyperparameters if k in g}
                              for g in self.param_groups],
             parameters=[(tuple(p.shape), str(p.dtype), tuple(getattr(p, "placements", ())))
                         for p in params])

@@ -332,13 +332,21 @@ def _report_mpi_waits(report_dir: str, rank: int) -> None:
     add_pending_call.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 
     def watch() -> None:
+        try:
+            look()
+        except Exception:  # noqa: BLE001 - a diagnostic must never end the rank it watches
+            return
+
+    def look() -> None:
         queued, written, since = False, False, 0.0
         while True:
             time.sleep(1.0)
             queued = queued and not ran.is_set()
             frame = sys._current_frames().get(main)
-            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno) if frame else ""
-            waiting = frame is not None and in_mpi_call(frame.f_code.co_filename, line)
+            # (f_lineno is None while a frame starts or ends, e.g. as the script returns)
+            lineno = frame.f_lineno if frame is not None else None
+            line = linecache.getline(frame.f_code.co_filename, lineno) if lineno else ""
+            waiting = bool(line) and in_mpi_call(frame.f_code.co_filename, line)
             del frame  # holding it would keep the user's locals alive
             try:  # the launcher removes the directory as the job ends
                 if waiting and queued:

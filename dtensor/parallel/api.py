@@ -9,7 +9,8 @@ from fnmatch import fnmatchcase
 import numpy as np
 
 # _redistribute: FSDP's gathers are layouts the framework derived itself (no agreement check).
-from dtensor.dtensor import DTensor, _redistribute, distribute_tensor, implicit_replication
+from dtensor.dtensor import (DTensor, _agreed, _redistribute, distribute_tensor,
+                             implicit_replication)
 from dtensor.mesh import DeviceMesh
 from dtensor.nn.module import Module
 from dtensor.parallel.loss import loss_parallel as _loss_parallel
@@ -57,14 +58,8 @@ def _agree(mesh: DeviceMesh, what: str, check, **fields):
     """``check()`` (this rank's validation; returns what it checked), agreed over the mesh: a
     rank whose arguments or model differ, or whose check failed, makes every rank raise the
     same error, before any collective that would otherwise hang or mix layouts."""
-    error = result = None
-    try:
-        result = check()
-    except (TypeError, ValueError, KeyError, IndexError) as e:
-        error = e
-    mesh.check_same(what, "Build the same model and call this with the same arguments on "
-                    "every rank.", error=error, **fields)
-    return result
+    return _agreed(mesh, what, check, "Build the same model and call this with the same "
+                   "arguments on every rank.", **fields)
 
 
 def _params_text(module: Module) -> list:

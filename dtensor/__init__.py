@@ -54,18 +54,20 @@ from dtensor import nn, optim  # noqa: E402  (after the core they build on)
 from dtensor.placements import Partial, Replicate, Shard  # noqa: E402
 
 
+# Documented subpackages reachable as attributes after ``import dtensor``, loaded on first use.
+# ``compile`` is the callable module dtensor.compile (compile/ in the repository).
+_SUBMODULES = ("checkpoint", "comm", "compile", "distributed", "launcher", "parallel")
+
+
 def __getattr__(name):
     # The distributed layer imports MPI lazily: single-process users never start it.
     if name in ("DTensor", "distribute_tensor", "distribute_module", "implicit_replication",
                 "visualize_sharding"):
         from dtensor import dtensor as _dt
         return getattr(_dt, name)
-    if name == "checkpoint":
+    if name in _SUBMODULES:  # importing them starts no MPI: comm opens it on first use
         import importlib
-        return importlib.import_module("dtensor.checkpoint")
-    if name == "compile":  # the callable module dtensor.compile (compile/ in the repository)
-        import importlib
-        return importlib.import_module("dtensor.compile")
+        return importlib.import_module(f"dtensor.{name}")
     if name in ("DeviceMesh", "init_device_mesh"):
         from dtensor import mesh as _mesh
         return getattr(_mesh, name)

@@ -8,7 +8,12 @@ import ctypes
 import os
 import sys
 
-import numpy as np
+from dtensor._threads import shorten_blas_spin
+
+# Before numpy where dtensor is imported first: its OpenBLAS reads the variables as it loads.
+shorten_blas_spin()
+
+import numpy as np  # noqa: E402
 
 
 def _keep_freed_memory() -> None:

@@ -1,0 +1,58 @@
+"""How long idle BLAS threads spin, arranged when dtensor loads (in every process, not only
+under dtlaunch), so that ``python train.py`` runs at a dtlaunch rank's speed.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+# After each multi-threaded GEMM, OpenBLAS's workers spin (sched_yield) for 2^28 cycles, ~0.1 s,
+# before they sleep: a core shared with them runs anything else at about half speed, e.g. the
+# C backend's kernels split over the BLAS threads' cores. 2^20 cycles (~0.3 ms) outlasts the gap
+# between back-to-back GEMMs. Measured on the 2-core machine (the standard GPT step, eager and
+# compiled with backend="c" interleaved in one process, medians of 10 steps, two runs each):
+# eager 0.440 / 0.477 s -> 0.443 / 0.435 s; compiled 0.341 / 0.375 s -> 0.313 / 0.309 s.
+# 2^4 made eager slower (0.51 / 0.49 s): its workers slept between GEMMs.
+BLAS_SPIN_VARS = {"OPENBLAS_THREAD_TIMEOUT": "20"}
+
+
+def shorten_blas_spin() -> list[str]:
+    """Set :data:`BLAS_SPIN_VARS` where the user has not, and make an OpenBLAS that is already
+    loaded use them.
+
+    OpenBLAS reads the variables when it loads and its worker threads keep the timeout they
+    started with. Where numpy was imported first, each loaded OpenBLAS re-reads its
+    environment and stops its workers (what it does itself before a fork); its next threaded
+    call starts them again with the new timeout. A user's own value is never overridden.
+
+    Returns:
+        The paths of the loaded OpenBLAS libraries that were restarted (none where numpy was not
+        loaded yet, or where the user set every variable).
+    """
+    added = {k: v for k, v in BLAS_SPIN_VARS.items() if k not in os.environ}
+    if not added:
+        return []
+    os.environ.update(added)
+    restarted = []
+    for path in _loaded_openblas():
+        try:  # RTLD_NOLOAD: the handle of the copy already mapped, never a new load
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        # Both are exported by pthreads builds (numpy's and scipy's wheels, distributions'
+        # libopenblas); a build without them keeps its timeout.
+        if hasattr(lib, "openblas_read_env") and hasattr(lib, "blas_thread_shutdown_"):
+            lib.openblas_read_env()
+            lib.blas_thread_shutdown_()
+            restarted.append(path)
+    return restarted
+
+
+def _loaded_openblas() -> list[str]:
+    """Shared libraries of this process whose file name says OpenBLAS (Linux; else none)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(maxsplit=5)[-1].strip() for line in maps if "/" in line}
+    except OSError:  # no procfs (macOS, Windows): only a BLAS loaded after dtensor is arranged
+        return []
+    return sorted(p for p in paths if "openblas" in os.path.basename(p).lower())

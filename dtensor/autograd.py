@@ -100,6 +100,10 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
                     continue
                 if callable(gx):
                     gx = gx()
+                if gx.dtype != x.dtype:
+                    # As in PyTorch: a gradient has its input's dtype. Type promotion (a float32
+                    # weight times a float64 tensor) must not hand float64 gradients back.
+                    gx = gx.astype(x.dtype)
                 prev = grads.get(id(x))
                 grads[id(x)] = gx if prev is None else prev + gx
             if not retain_graph:

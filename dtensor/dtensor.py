@@ -374,7 +374,12 @@ def _as_arg(a, mesh):
                 f"an op mixes a plain Tensor (shape {tuple(a.shape)}) with DTensors on {mesh}. "
                 f"Make it a DTensor (distribute_tensor(t, mesh, [Replicate()] * mesh.ndim) or "
                 f"DTensor.from_local), or run the op inside dtensor.implicit_replication().")
-        return _distribute(a, mesh, (Replicate(),) * mesh.ndim, None)  # per op: no agreement
+        out = _distribute(a, mesh, (Replicate(),) * mesh.ndim, None)  # per op: no agreement
+        if autograd.is_grad_enabled() and a.requires_grad:
+            # Differentiable, as from_local: the gradient reaches the plain tensor (a parameter
+            # no plan distributed) whole, instead of stopping at this temporary.
+            autograd.record(_FROM_LOCAL, (a,), {}, out)
+        return out
     if isinstance(a, np.ndarray):
         return _as_arg(Tensor(a), mesh)
     return a

@@ -196,10 +196,15 @@ class DeviceMesh:
         dims = [self._dim(n) for n in names]
         if len(set(dims)) != len(dims):
             raise ValueError(f"mesh dims {names} name the same dim twice.")
+        return self._sub(dims)
+
+    def _sub(self, dims: Sequence[int]) -> "DeviceMesh":
+        """The sub-mesh over mesh dims ``dims`` (in that order) that contains this rank."""
         # Fix every other dim at this rank's coordinate, keep the named ones in order.
         index = tuple(slice(None) if d in dims else self._coord[d] for d in range(self.ndim))
         kept = [d for d in range(self.ndim) if d in dims]
         sub = np.transpose(self.mesh[index], [kept.index(d) for d in dims])
+        names = tuple(self.mesh_dim_names[d] for d in dims) if self.mesh_dim_names else None
         return DeviceMesh(self.device_type, sub, mesh_dim_names=names,
                           _comms=tuple(self._comms[d] for d in dims))
 

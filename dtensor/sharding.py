@@ -316,7 +316,13 @@ def propagate(op, avals, params, placements, out, mesh) -> Strategy:
                                   if p == current[0]]))
         best, best_cost = None, (float("inf"), 0)
         template = op.meta.get("template")
-        for cand_in, cand_out in _candidates(op, avals, params, out, current, pieces):
+        try:
+            cands = _candidates(op, avals, params, out, current, pieces)
+        except ValueError:  # a layout the rule cannot keep (reshape's refusal)
+            if n > 1:
+                raise
+            cands = []
+        for cand_in, cand_out in cands:
             if template is not None and cand_in[template] != current[template]:
                 continue  # a template carries no data to move (a linear candidate's R)
             # (bytes moved, inputs that change placement): free re-layouts (R -> S) lose ties
@@ -337,6 +343,13 @@ def propagate(op, avals, params, placements, out, mesh) -> Strategy:
                 continue
             if (moved, changed) < best_cost:
                 best, best_cost = (cand_in, cand_out), (moved, changed)
+        if n == 1 and (best is None or best_cost[1] > 0):
+            # One rank holds the whole extent along this mesh dim: Shard, Partial and Replicate
+            # are the same data there. Where the rule cannot keep the inputs as they are (a
+            # reshape (1, T, C) -> (T, C) of a batch of one "sharded" over dp=1), nothing moves
+            # and the result is replicated; otherwise the rule's layout is kept (an optimizer's
+            # state keeps its parameter's placements).
+            best = (list(current), R)
         if best is None:
             raise NotImplementedError(
                 f"op {op.name!r}: no sharding strategy for inputs {current} on mesh dim {m}.")

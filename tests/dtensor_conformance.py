@@ -113,8 +113,10 @@ def run_op(name: str, mesh, max_combos: int | None = None):
                                             ref_in[k].grad.numpy(), f"{label} grad {k}")
             except ValueError as e:
                 # Only reshape may refuse (a shard it cannot keep without moving data), and it
-                # must say so; anything else is a failure.
-                err = None if name == "reshape" and "cannot keep tensor dim" in str(e) else \
+                # must say so; anything else is a failure. A mesh dim of size 1 never refuses:
+                # a dim "sharded" over one rank is whole.
+                refusal = "cannot keep tensor dim" in str(e) and "mesh dim of size 1 " not in str(e)
+                err = None if name == "reshape" and refusal else \
                     f"{label}: {type(e).__name__}: {e}"
             except Exception as e:  # noqa: BLE001 - report every failure, keep going
                 err = f"{label}: {type(e).__name__}: {e}"

@@ -6,7 +6,8 @@ import pytest
 
 from dtensor.ops import OPS
 
-MESHES = [((2,), 2), ((3,), 3), ((4,), 4), ((2, 2), 4)]
+# (1, 2): a mesh dim of size 1 holds whole dims, whatever its placement says (dp=1 x tp=2).
+MESHES = [((2,), 2), ((3,), 3), ((4,), 4), ((2, 2), 4), ((1, 2), 2)]
 
 
 @pytest.mark.parametrize("name", sorted(OPS))

@@ -146,7 +146,8 @@ SAMPLES = {
     "max": [((r(3, 4, 5),), {"axis": (2,), "keepdims": False}),
             ((r(3, 4, 5),), {"axis": (0, 1), "keepdims": True}),
             ((r(6),), {"axis": (0,), "keepdims": False})],
-    "reshape": [((r(3, 4),), {"shape": (2, 6)}), ((r(2, 3, 4),), {"shape": (6, 4)})],
+    "reshape": [((r(3, 4),), {"shape": (2, 6)}), ((r(2, 3, 4),), {"shape": (6, 4)}),
+                ((r(1, 3, 4),), {"shape": (3, 4)})],  # a batch of one
     "permute": [((r(2, 3, 4),), {"axes": (2, 0, 1)}), ((r(3, 4),), {"axes": (1, 0)})],
     "broadcast_to": [((r(3, 1),), {"shape": (2, 3, 4)}), ((r(4),), {"shape": (3, 4)})],
     "getitem": [((r(4, 5),), {"key": key((1, slice(1, 4)), (4, 5))}),

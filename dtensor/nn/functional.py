@@ -33,6 +33,19 @@ def _input(x, op: str, what: str = "input"):
                     f"(a {type(x).__name__}).")
 
 
+def _same_dtype(op: str, **tensors) -> None:
+    """The input and the parameters of a layer share one dtype, as in PyTorch: numpy would
+    promote a float64 batch fed to a float32 model and run (and differentiate) it in float64."""
+    named = {k: np.dtype(t.dtype) for k, t in tensors.items() if t is not None}
+    (first, want), *rest = named.items()
+    for k, dt in rest:
+        if dt != want:
+            fix = (f"x.astype(np.{dt}) for a numpy array, or dtensor.tensor(x, dtype=dtensor.{dt})"
+                   if first == "input" else f"{first}.astype(np.{dt})")
+            raise TypeError(f"{op}: {first} is {want} but {k} is {dt}; they must match. Cast the "
+                            f"{first}: {fix}.")
+
+
 def _floating(x, op: str, what: str = "input"):
     """Ops whose result is fractional (normalisation, exp, erf) need a floating input: numpy
     would fail casting its float result back to an integer dtype."""
@@ -216,6 +229,7 @@ def linear(x, weight, bias=None):
     if x.ndim == 0:
         raise ValueError("linear: the input needs a features dim, got a 0-d tensor; reshape it "
                          "to (1,) first.")
+    _same_dtype("linear", input=x, weight=weight, bias=bias)
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features (shape {tuple(x.shape)}) but "
                          f"the weight expects {weight.shape[-1]} (weight shape "

@@ -144,14 +144,27 @@ cat = defop(
 # ---------------------------------------------------------------- contraction
 
 
+def _same_dtype(x, y) -> None:
+    # As PyTorch: no silent promotion in a GEMM (a float64 batch would run a float32 model in
+    # float64, twice the time, and hand float64 gradients to float32 weights). Checked by the
+    # abstract rule (DTensor, tracer) and the impl (eager, which skips the abstract rule).
+    if x.dtype != y.dtype:
+        raise TypeError(
+            f"matmul: operand dtypes differ: {np.dtype(x.dtype)} {tuple(x.shape)} @ "
+            f"{np.dtype(y.dtype)} {tuple(y.shape)}. Cast one to the other's dtype first, e.g. "
+            f"x.astype(np.{np.dtype(y.dtype)}) for a numpy array, or dtensor.tensor(x, "
+            f"dtype=dtensor.{np.dtype(y.dtype)}).")
+
+
 def _matmul_abstract(x, y):
     if x.shape[-1] != y.shape[-2]:
         raise ValueError(
             f"matmul: inner dimensions differ: {tuple(x.shape)} @ {tuple(y.shape)} "
             f"({x.shape[-1]} != {y.shape[-2]}). The last dim of the left operand must equal "
             f"the second-to-last dim of the right one; transpose one of them (.mT) or reshape.")
+    _same_dtype(x, y)
     batch = np.broadcast_shapes(x.shape[:-2], y.shape[:-2])
-    return Aval(batch + (x.shape[-2], y.shape[-1]), np.result_type(x.dtype, y.dtype))
+    return Aval(batch + (x.shape[-2], y.shape[-1]), np.dtype(x.dtype))
 
 
 # d(xy)/dx = g y^T, d(xy)/dy = x^T g, each summed over broadcast batch dims.
@@ -162,6 +175,7 @@ def _blas_layout(a) -> bool:
 
 
 def _matmul_impl(x, y, out=None):
+    _same_dtype(x, y)
     # A stack of matrices that are both loose views (attention's per-head q @ k^T) runs ~2x
     # slower in OpenBLAS than after copying one of them tight (benchmarks/gpt_step.py).
     if x.ndim > 2 and y.ndim > 2 and not (_blas_layout(x) or _blas_layout(y)):

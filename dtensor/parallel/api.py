@@ -8,20 +8,22 @@ from fnmatch import fnmatchcase
 
 import numpy as np
 
+from dtensor import autograd
 # _redistribute: FSDP's gathers are layouts the framework derived itself (no agreement check).
 from dtensor.dtensor import (DTensor, _agreed, _redistribute, distribute_tensor,
                              implicit_replication)
 from dtensor.mesh import DeviceMesh
 from dtensor.nn.module import Module
+from dtensor.ops.registry import Op
 from dtensor.parallel.loss import loss_parallel as _loss_parallel
 from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                     PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                     distribute_param, wrap_forward)
-from dtensor.placements import Replicate, Shard
-from dtensor.tensor import TensorMethods
+from dtensor.placements import Partial, Replicate, Shard
+from dtensor.tensor import Tensor, TensorMethods
 from dtensor.validate import as_bool
 
-__all__ = ["parallelize_module", "parallelize"]
+__all__ = ["parallelize_module", "parallelize", "replicate"]
 
 _PLAN_EXAMPLE = """    from dtensor.parallel import *
     parallelize_module(model, mesh, {
@@ -80,16 +82,36 @@ def parallelize_module(module: Module, device_mesh: DeviceMesh, parallelize_plan
         parallelize_plan: a ParallelStyle (applied to ``module`` itself) or a dict from module
             paths to styles; a path may use fnmatch wildcards per dotted atom
             (``"blocks.*.attn.q"``). A key that matches no submodule raises ValueError.
-        tp_dim: the tensor-parallel mesh dim of a 2-D mesh (default: the one named "tp").
+        tp_dim: on a 2-D mesh, the tensor-parallel dim; the plan goes on it and the model is
+            data parallel over the other (``replicate``), as PyTorch's
+            ``parallelize_module(m, mesh["tp"], plan)`` + data parallel over ``mesh["dp"]``. A
+            2-D mesh without ``tp_dim`` is refused, as in PyTorch.
 
     Example (under ``dtlaunch --nproc 2``):
         >>> mesh = init_device_mesh("cpu", (2,))
         >>> parallelize_module(mlp, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
     """
     _check_targets("parallelize_module", module, device_mesh)
-    tp, hits = _agree(device_mesh, "parallelize_module",
-                      lambda: (_tp_dim(device_mesh, tp_dim), _plan_hits(module, parallelize_plan)),
-                      plan=parallelize_plan, tp_dim=tp_dim, params=_params_text(module))
+
+    def check():
+        if device_mesh.ndim == 2 and tp_dim is None:
+            raise ValueError(
+                f"parallelize_module takes the 1-D tensor-parallel mesh, got a 2-D mesh "
+                f"{device_mesh._dims_text()}: the plan alone would leave the other dim's ranks "
+                f"training apart (each on its own rows, gradients never combined). Either pass "
+                f"the tp sub-mesh and add data parallelism:\n"
+                f"    parallelize_module(model, mesh[\"tp\"], plan)\n"
+                f"    model = replicate(model, mesh[\"dp\"])\n"
+                f"or say which dim is tensor-parallel and get both in one call:\n"
+                f"    parallelize_module(model, mesh, plan, tp_dim=\"tp\")")
+        tp = _tp_dim(device_mesh, tp_dim)
+        return tp, _plan_hits(module, parallelize_plan)
+
+    tp, hits = _agree(device_mesh, "parallelize_module", check, plan=parallelize_plan,
+                      tp_dim=tp_dim, params=_params_text(module))
+    if device_mesh.ndim == 2:
+        parallelize_module(module, device_mesh._sub([tp]), parallelize_plan)
+        return replicate(module, device_mesh._sub([1 - tp]))
     for style, name, m in hits:
         style.apply(m, device_mesh, tp, name)
     return module
@@ -355,3 +377,124 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
     if os.environ.get("DTENSOR_DEBUG", "0") not in ("", "0") and mesh.get_rank() == 0:
         print(_describe(model, plan, mesh, fsdp), flush=True)
     return model
+
+
+# ----------------------------------------------------------------------------- replicate
+
+
+def _summed(g, comm):
+    if isinstance(g, DTensor):  # a tp parameter's gradient: its block, laid out alike on each rank
+        return DTensor._make(comm.all_reduce(np.array(g._loc())), g._spec)
+    return Tensor(comm.all_reduce(np.array(g.data)))
+
+
+# Identity forward; the backward sums the gradient over the data-parallel ranks (DDP's
+# all-reduce, per parameter, as an autograd node, so it runs wherever the backward does).
+_DP_GRAD_SUM = Op("dp_grad_sum", impl=None, abstract=None, linearity="all", lower="collective",
+                  vjp=lambda g, out, x, comm: (_summed(g, comm),))
+
+
+def _grad_summed(p, comm):
+    out = DTensor._make(p._loc(), p._spec) if isinstance(p, DTensor) else Tensor(p.data)
+    if autograd.is_grad_enabled() and p.requires_grad:
+        autograd.record(_DP_GRAD_SUM, (p,), {"comm": comm}, out)
+    return out
+
+
+def _local_rows(x, mesh: DeviceMesh, name: str):
+    """This rank's rows of a batch input: a plain array is the global batch; a DTensor on
+    ``mesh`` (``DTensor.from_local(rows, mesh, [Shard(0)])``) is laid out as Shard(0)."""
+    n, r = mesh.size(), mesh.get_local_rank()
+    if isinstance(x, DTensor):
+        if x.device_mesh != mesh:
+            raise ValueError(f"replicate: {name} is a DTensor on {x.device_mesh}, not on the "
+                             f"data-parallel mesh {mesh}; pass the global batch as an array or "
+                             f"DTensor.from_local(rows, mesh['dp'], [Shard(0)]).")
+        rows = x.shape[0] if x.ndim else None
+    else:
+        rows = x.shape[0] if len(x.shape) else None
+    if rows is not None and rows % n:
+        raise ValueError(
+            f"replicate: {name} of shape {tuple(x.shape)} has batch size {rows}, which the "
+            f"{n} data-parallel ranks of {mesh._dims_text()} cannot split evenly (each takes "
+            f"batch / {n} rows, and the loss averages over equal shares). Use a batch size "
+            f"that is a multiple of {n}, e.g. {max(n, rows - rows % n)}.")
+    if isinstance(x, DTensor):
+        return x.redistribute(mesh, [Shard(0)]).to_local() if x.ndim else x.full_tensor()
+    if rows is None:
+        return x
+    k = rows // n
+    return x[r * k:(r + 1) * k]
+
+
+def replicate(module: Module, device_mesh: DeviceMesh) -> Module:
+    """Data parallelism over a 1-D mesh, PyTorch's composable ``replicate`` (DDP): every rank
+    holds the whole model (or its tensor-parallel shard, after ``parallelize_module`` on the
+    other mesh dim) and computes on its share of the batch; each parameter's gradient is summed
+    over the mesh as the backward reaches it.
+
+    Inputs: a plain array is the global batch (each rank takes batch / n rows); a DTensor on
+    ``device_mesh`` gives each rank its Shard(0) rows. Outputs come back as DTensors on
+    ``device_mesh``: a 0-d output is taken for a loss averaged over the rank's rows, so it comes
+    back as the global average (Partial over the ranks: ``.item()`` reads the one-process value,
+    ``.backward()`` gives the one-process gradients); an output with a row per input row is
+    Shard(0); anything else stays this rank's own.
+
+    Example (under ``dtlaunch --nproc 4``):
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> parallelize_module(model, mesh["tp"], plan)
+        >>> model = replicate(model, mesh["dp"])
+        >>> logits, loss = model(idx, targets)      # the global batch
+    """
+    _check_targets("replicate", module, device_mesh)
+
+    def check():
+        if device_mesh.ndim != 1:
+            raise ValueError(f"replicate takes a 1-D data-parallel mesh, got "
+                             f"{device_mesh._dims_text()}; pass mesh['dp'].")
+
+    _agree(device_mesh, "replicate", check, params=_params_text(module))
+    comm, n = device_mesh.get_group(0), device_mesh.size()
+    if n == 1:
+        return module
+
+    def around(inner, *args, **kwargs):
+        args = tuple(_local_rows(a, device_mesh, f"argument {i}") if _batch(a) else a
+                     for i, a in enumerate(args))
+        kwargs = {k: _local_rows(v, device_mesh, f"argument {k!r}") if _batch(v) else v
+                  for k, v in kwargs.items()}
+        rows = next((a.shape[0] for a in (*args, *kwargs.values()) if _batch(a) and a.ndim),
+                    None)
+        owners = [(m, name, p) for m in module.modules()
+                  for name, p in m._parameters.items() if p is not None]
+        stored = {(id(m), name): p for m, name, p in owners}
+        summed = {id(p): _grad_summed(p, comm) for _, _, p in owners}
+        for m, name, p in owners:
+            m._parameters[name] = summed[id(p)]  # a tied parameter: one node, one all-reduce
+        try:
+            out = inner(*args, **kwargs)
+        finally:
+            for m, name, _ in owners:
+                m._parameters[name] = stored[(id(m), name)]
+        return _dp_outputs(out, device_mesh, rows)
+
+    wrap_forward(module, around)
+    return module
+
+
+def _batch(x) -> bool:
+    return isinstance(x, (DTensor, TensorMethods, np.ndarray))
+
+
+def _dp_outputs(out, mesh: DeviceMesh, rows):
+    if isinstance(out, (tuple, list)):
+        return type(out)(_dp_outputs(o, mesh, rows) for o in out)
+    if not isinstance(out, TensorMethods):
+        return out
+    if isinstance(out, DTensor):  # the tensor-parallel model's own output: whole on this rank
+        out = out.full_tensor()
+    if out.ndim == 0 and np.dtype(out.dtype).kind == "f":
+        return DTensor.from_local(out * (1.0 / mesh.size()), mesh, [Partial()])
+    if out.ndim and rows is not None and out.shape[0] == rows:
+        return DTensor.from_local(out, mesh, [Shard(0)])
+    return out

@@ -1,6 +1,7 @@
 """``dtlaunch`` and ``spawn``: start N MPI ranks of a script or a function.
 
     dtlaunch --nproc 4 train.py              # the console script (also python -m dtensor.launcher)
+    dtlaunch --nproc_per_node 4 -m pkg.train # torchrun's spellings work too
 
     >>> from dtensor.launcher import spawn
     >>> spawn(lambda: int(os.environ["RANK"]), 2)  # doctest: +SKIP

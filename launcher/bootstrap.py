@@ -3,6 +3,7 @@
 Two modes, both started by mpiexec (dtlaunch and RankPool build the command line)::
 
     python .../launcher/bootstrap.py script.py [args ...]   # dtlaunch: run a script as __main__
+    python .../launcher/bootstrap.py -m module [args ...]   # dtlaunch -m: a module, as python -m
     python .../launcher/bootstrap.py --worker               # RankPool: serve cloudpickled tasks
 
 ``python -m dtensor.launcher.bootstrap script.py`` works too, but the launchers run this file by
@@ -267,24 +268,33 @@ def _user_tb(exc: BaseException) -> TracebackType | None:
     return tb
 
 
-def run_script(info: RankInfo, argv: list[str]) -> None:
+def run_script(info: RankInfo, argv: list[str], module: bool = False) -> None:
     """Run ``argv[0]`` as ``__main__`` like ``python -m mpi4py``: an uncaught exception aborts.
 
-    With a launch directory the traceback goes to ``rank{r}.err`` (dtlaunch prints it last) and
-    stderr gets a one-line pointer; without one it is printed as usual.
+    ``module``: ``argv[0]`` names a module, run as ``python -m`` would (the current directory
+    first on sys.path, sys.argv[0] the module's file). With a launch directory the traceback goes
+    to ``rank{r}.err`` (dtlaunch prints it last) and stderr gets a one-line pointer; without one
+    it is printed as usual.
     """
-    from runpy import run_path
+    from runpy import run_module, run_path
 
     from mpi4py.run import set_abort_status
 
-    script = argv[0]
+    target = argv[0]
     sys.argv[:] = argv
-    sys.path[0] = os.path.realpath(os.path.dirname(script))  # as `python script.py` would
+    # sys.path[0] is this file's folder until here: the user's code must not see it.
+    if module:
+        sys.path[0] = os.getcwd()
+    else:
+        sys.path[0] = os.path.realpath(os.path.dirname(target))  # as `python script.py` would
     report_dir = os.environ.get(ENV_DIR)
     if report_dir and os.environ.get(ENV_HANG) == "1":
         _report_mpi_waits(report_dir, info.rank)
     try:
-        run_path(script, run_name="__main__")
+        if module:
+            run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            run_path(target, run_name="__main__")
     except (SystemExit, KeyboardInterrupt) as exc:
         set_abort_status(exc)  # a non-zero exit on one rank ends every rank (MPI_Abort at exit)
         if report_dir and isinstance(exc, SystemExit) and exc.code in (None, 0):
@@ -451,15 +461,17 @@ def _format_task_error(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of a rank: ``bootstrap.py script.py [args]`` or ``bootstrap.py --worker``."""
+    """Entry point of a rank: ``bootstrap.py script.py [args]``, ``bootstrap.py -m module [args]``
+    or ``bootstrap.py --worker``."""
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        sys.exit("usage: bootstrap.py script.py [args ...] | --worker")
+    module = argv[:1] == ["-m"]
+    if not argv or argv == ["-m"]:
+        sys.exit("usage: bootstrap.py script.py [args ...] | -m module [args ...] | --worker")
     info = start_rank()
     if argv == ["--worker"]:
         serve(info)
     else:
-        run_script(info, argv)
+        run_script(info, argv[1:] if module else argv, module)
 
 
 if __name__ == "__main__":

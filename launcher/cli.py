@@ -2,9 +2,19 @@
 
     dtlaunch --nproc 4 train.py --lr 3e-4
     python -m dtensor.launcher --nproc 8 --timeout 600 train.py
+    dtlaunch -m pkg.train --lr 3e-4          # a module, as python -m; one rank per usable core
+    dtlaunch --nnodes 2 --nproc_per_node 8 --hostfile hosts train.py
 
 Every rank runs the script as ``__main__`` with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE set,
 BLAS/OpenMP threads = cores // local ranks (unless set), and output lines prefixed ``[rankN] ``.
+
+torchrun's spellings work too: ``--nproc_per_node N|auto`` (total ranks = ``--nnodes`` x N; a
+count given both ways must agree), ``--nnodes N`` with a hydra ``--hostfile`` of at least N hosts
+(hydra's ``-ppn`` puts N ranks on each), ``-m module`` and ``--standalone``. Without any count
+there is one rank per usable core (CPU affinity), as ``--nproc_per_node auto``, and a line on
+stderr says so. Unlike torchrun, one dtlaunch starts every node's ranks and MPI connects them:
+``--master_addr``, ``--master_port`` and ``--rdzv_*`` are ignored with a note, and ``--node_rank``
+other than 0 is an error.
 
 Prefixes are hydra's -prepend-pattern, applied to each chunk a rank writes; ranks write whole
 lines (stdout/stderr are made line-buffered, also under PYTHONUNBUFFERED=1), so print, logging and
@@ -37,16 +47,19 @@ once a second and ends the job with status 1 and a message naming what happened:
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from dtensor.launcher.bootstrap import ENV_HANG
+from dtensor.launcher.bootstrap import ENV_HANG, available_cores
 from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
 
 TIMEOUT_EXIT = 124  # as coreutils' timeout(1)
@@ -60,6 +73,10 @@ DEFAULT_HANG = 30.0
 # A normal end has hydra's proxy exit a moment before mpiexec; a proxy gone this long while
 # mpiexec still runs was killed.
 CHILD_GONE_S = 2.0
+# torchrun's rendezvous options: each torchrun meets the others through them; here mpiexec
+# starts and connects every rank, so they have nothing to set (--node_rank is checked instead).
+IGNORED_TORCHRUN = ("--master_addr", "--master_port", "--rdzv_backend", "--rdzv_endpoint",
+                    "--rdzv_id", "--rdzv_conf")
 
 
 class _Terminated(BaseException):
@@ -68,25 +85,46 @@ class _Terminated(BaseException):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dtlaunch", description="Run a Python script on N MPI ranks.",
+        prog="dtlaunch", description="Run a Python script (or -m module) on N MPI ranks.",
         epilog="Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE on every rank and "
                "OMP/OPENBLAS/MKL_NUM_THREADS = cores // local ranks unless already set. "
                "Exit status: the job's, 124 on --timeout, 130 on Ctrl-C.")
-    p.add_argument("--nproc", "-n", type=int, required=True, help="number of ranks")
+    p.add_argument("--nproc", "-n", type=int,
+                   help="number of ranks in all (default: one per usable core of this host)")
     p.add_argument("--hostfile", help="hydra hostfile (one 'host[:slots]' per line)")
     p.add_argument("--timeout", type=float, help="seconds before the job is dumped and killed")
     p.add_argument("--mpiexec", help="mpiexec to use (default: the mpich wheel's)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix lines with [rankN]")
-    p.add_argument("script", help="the Python script every rank runs as __main__")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="run the module named by the script argument as __main__ on every rank, "
+                        "like python -m (dtlaunch -m pkg.train --lr 3e-4)")
+    t = p.add_argument_group(
+        "torchrun's spellings", "One dtlaunch on one host starts every rank of every node; MPI's "
+        "process manager connects them, so --master_addr, --master_port and --rdzv_* are "
+        "accepted and ignored (with a note), and --node_rank may only be 0.")
+    t.add_argument("--nproc_per_node", "--nproc-per-node", metavar="N|auto",
+                   help="ranks per node; auto: one per usable core; "
+                        "total ranks = --nnodes x this")
+    t.add_argument("--nnodes", metavar="N",
+                   help="number of nodes (default 1); more than 1 needs a --hostfile listing "
+                        "at least that many hosts")
+    t.add_argument("--standalone", action="store_true",
+                   help="accepted for torchrun's sake; a job here is always self-contained")
+    t.add_argument("--node_rank", "--node-rank", type=int, default=0, help=argparse.SUPPRESS)
+    for name in IGNORED_TORCHRUN:
+        t.add_argument(name, name.replace("_", "-"), help=argparse.SUPPRESS)
+    p.add_argument("script", help="the Python script every rank runs as __main__ (with -m: a "
+                                  "module name)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
 
 
 def _check(opts: argparse.Namespace) -> None:
-    if opts.nproc < 1:
-        raise ValueError(f"--nproc must be a positive number of ranks, got {opts.nproc}; "
-                         "e.g. --nproc 4")
-    if not os.path.isfile(opts.script):
+    if opts.nproc is not None:
+        _count(str(opts.nproc), "--nproc")
+    if opts.module:
+        _check_module(opts.script)
+    elif not os.path.isfile(opts.script):
         raise ValueError(f"script {opts.script!r} does not exist (relative to {os.getcwd()}); "
                          "pass the path of a Python file: dtlaunch --nproc 2 train.py")
     if opts.hostfile is not None and not os.path.isfile(opts.hostfile):
@@ -94,6 +132,117 @@ def _check(opts: argparse.Namespace) -> None:
                          "'host[:slots]' per line, or leave it out to run every rank here")
     if opts.timeout is not None and not opts.timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {opts.timeout}")
+    if opts.node_rank != 0:
+        raise ValueError(f"--node_rank {opts.node_rank}: dtlaunch starts the ranks of every node "
+                         "itself, from one host, through --hostfile; run it once, on one host, "
+                         "without --node_rank")
+
+
+def _check_module(name: str) -> None:
+    """Fail here, not on every rank, when ``-m`` names no importable top-level package.
+
+    Only the top level is looked up: finding ``pkg.mod`` would import ``pkg``, running user
+    code in the launcher. The ranks search the current directory first, as ``python -m`` does.
+    """
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name) or name.endswith(".py"):
+        raise ValueError(f"-m {name!r} is not a module name; pass a dotted name (-m pkg.train), "
+                         f"or drop -m to run a file (dtlaunch --nproc 2 {name})")
+    top = name.split(".")[0]
+    if top not in sys.builtin_module_names and importlib.machinery.PathFinder.find_spec(
+            top, [os.getcwd(), *sys.path[1:]]) is None:
+        raise ValueError(f"-m {name}: no module named {top!r} in {os.getcwd()} or on sys.path; "
+                         "run dtlaunch from the directory that holds it, or add that directory "
+                         "to PYTHONPATH")
+
+
+def _count(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{flag} must be a positive number, got {text}; e.g. {flag} 2")
+    return value
+
+
+def _nnodes(text: str | None) -> int:
+    if text is not None and ":" in text:  # torchrun's elastic MIN:MAX
+        low, _, high = text.partition(":")
+        if low != high:
+            raise ValueError(f"--nnodes {text}: elastic node ranges are not supported; pass a "
+                             "fixed number of nodes, e.g. --nnodes 2")
+        text = low
+    return 1 if text is None else _count(text, "--nnodes")
+
+
+def _hosts(hostfile: str) -> list[str]:
+    """The distinct hosts of a hydra hostfile, in order (``host[:slots]`` lines, # comments)."""
+    hosts: list[str] = []
+    with open(hostfile) as f:
+        for line in f:
+            words = line.split("#", 1)[0].split()
+            host = words[0].split(":", 1)[0] if words else ""
+            if host and host not in hosts:
+                hosts.append(host)
+    return hosts
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How many ranks to start and how to place them.
+
+    Attributes:
+        nproc: ranks in all.
+        per_node: ranks per host (hydra's ``-ppn``) when --nnodes is given with a hostfile.
+        note: a line for stderr when dtlaunch chose or ignored something the user should know.
+    """
+
+    nproc: int
+    per_node: int | None
+    note: str | None
+
+
+def _layout(opts: argparse.Namespace) -> _Layout:
+    """The job's size from dtlaunch's and torchrun's options: --nproc counts every rank,
+    --nproc_per_node x --nnodes does too; with neither, one rank per usable core here."""
+    nodes = _nnodes(opts.nnodes)
+    if nodes > 1:
+        if opts.hostfile is None:
+            raise ValueError(f"--nnodes {nodes} needs a --hostfile listing the {nodes} hosts "
+                             "(one 'host[:slots]' per line); dtlaunch starts every node's ranks "
+                             "from here")
+        hosts = _hosts(opts.hostfile)
+        if len(hosts) < nodes:
+            raise ValueError(f"--nnodes {nodes} but --hostfile {opts.hostfile} lists "
+                             f"{len(hosts)} host(s) ({', '.join(hosts) or 'none'}); list one "
+                             f"line per node or pass --nnodes {len(hosts)}")
+    per_node = opts.nproc_per_node
+    if per_node == "auto" or (per_node is None and opts.nproc is None):
+        per_node = available_cores()
+    elif per_node is not None:
+        per_node = _count(per_node, "--nproc_per_node")
+    note = None
+    if opts.nproc is None and opts.nproc_per_node is None:
+        what = f"{per_node} ranks" if nodes == 1 else f"{nodes} nodes x {per_node} ranks"
+        note = (f"dtlaunch: no --nproc given; using {what} (one per usable core"
+                f"{' of this host' if nodes > 1 else ''})")
+    if per_node is None:  # --nproc alone
+        nproc = opts.nproc
+        if opts.nnodes is not None and nproc % nodes:
+            raise ValueError(f"--nproc {nproc} does not split evenly over --nnodes {nodes}; pass "
+                             f"--nproc_per_node N for N ranks on each of the {nodes} nodes")
+        per_node = nproc // nodes
+    elif opts.nproc is not None and opts.nproc != nodes * per_node:
+        raise ValueError(f"--nproc {opts.nproc} and --nproc_per_node {opts.nproc_per_node} "
+                         f"disagree: --nproc counts every rank, here {nodes} node(s) x {per_node} "
+                         f"= {nodes * per_node}; pass only one of them")
+    ignored = [n for n in IGNORED_TORCHRUN if getattr(opts, n[2:]) is not None]
+    if ignored:
+        note = "\n".join(filter(None, [note, (
+            f"dtlaunch: ignoring {', '.join(ignored)}: MPI's process manager connects the ranks "
+            "(for several nodes pass --hostfile and --nnodes, and run dtlaunch once)")]))
+    spread = opts.hostfile is not None and opts.nnodes is not None
+    return _Layout(nodes * per_node, per_node if spread else None, note)
 
 
 def _seconds(var: str, default: float, off: str) -> float:
@@ -330,10 +479,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check(opts)
         grace = _seconds(GRACE_VAR, DEFAULT_GRACE, "the check for ranks left waiting")
         hang = _seconds(HANG_VAR, DEFAULT_HANG, "the check for deadlocked ranks")
+        size = _layout(opts)
         mpiexec = find_mpiexec(opts.mpiexec)
     except (ValueError, FileNotFoundError) as exc:
         print(f"dtlaunch: error: {exc}", file=sys.stderr)
         return 2
+    if size.note:
+        print(size.note, file=sys.stderr)
     # A terminal on stdin is not forwarded: mpiexec runs in its own session (so that dtlaunch
     # alone decides how the job ends) and must not read the user's keystrokes.
     stdin = subprocess.DEVNULL if sys.stdin is None or sys.stdin.isatty() else None
@@ -345,8 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
-    job = MpiJob(opts.nproc, [opts.script, *opts.args], mpiexec=mpiexec, hostfile=opts.hostfile,
-                 prefix=not opts.no_prefix, env={ENV_HANG: "1" if hang < float("inf") else "0"})
+    job = MpiJob(size.nproc, ["-m"] * opts.module + [opts.script, *opts.args], mpiexec=mpiexec,
+                 hostfile=opts.hostfile, per_node=size.per_node, prefix=not opts.no_prefix,
+                 env={ENV_HANG: "1" if hang < float("inf") else "0"})
     try:
         job.start(stdin=stdin)
         return _run(job, opts.timeout, grace, hang)

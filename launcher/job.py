@@ -157,16 +157,18 @@ class MpiJob:
 
     Args:
         nproc: number of ranks.
-        rank_args: arguments of bootstrap.py (a script and its args, or ``["--worker"]``).
+        rank_args: arguments of bootstrap.py (a script and its args, ``-m``, a module and its
+            args, or ``["--worker"]``).
         mpiexec: path of mpiexec (see :func:`find_mpiexec`).
         hostfile: hydra hostfile; without one every rank is local and the per-rank defaults
             (threads, yielding) are computed here, else each rank computes its own.
+        per_node: ranks per host (hydra's ``-ppn``); default: as the hostfile's slots say.
         prefix: prefix each output line with ``[rankN] `` (hydra's -prepend-pattern).
         env: extra environment variables for the ranks.
     """
 
     def __init__(self, nproc: int, rank_args: Sequence[str], *, mpiexec: str,
-                 hostfile: str | None = None, prefix: bool = True,
+                 hostfile: str | None = None, per_node: int | None = None, prefix: bool = True,
                  env: Mapping[str, str] | None = None) -> None:
         self.nproc = nproc
         # Short, private (0700) path: it also holds an AF_UNIX socket (108-byte path limit).
@@ -181,6 +183,8 @@ class MpiJob:
         self.cmd = [mpiexec, "-n", str(nproc)]
         if hostfile is not None:
             self.cmd += ["-f", hostfile]
+        if per_node is not None:
+            self.cmd += ["-ppn", str(per_node)]
         if prefix:
             self.cmd += ["-prepend-pattern", PREFIX_PATTERN]
         self.cmd += [sys.executable, BOOTSTRAP, *rank_args]

@@ -48,7 +48,6 @@ import math
 import os
 import re
 import stat
-import sys
 import zipfile
 import zlib
 from pathlib import Path
@@ -56,6 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from dtensor._checkpoint_meta import FORMAT, SHARD, VERSION, CheckpointError, read_meta
+from dtensor.distributed import _several_ranks  # one place decides whether a job has peers
 
 __all__ = ["save", "load", "CheckpointError", "FORMAT", "VERSION"]
 
@@ -107,23 +107,6 @@ def _is_dtensor(v) -> bool:
 
 def _has_dtensors(flat) -> bool:
     return any(_is_dtensor(v) for _, _, v in flat.values())
-
-
-# How launchers tell a process it is one rank of several: dtensor's launcher and torchrun
-# (WORLD_SIZE), MPICH's hydra and Intel MPI (PMI_SIZE), Open MPI (OMPI_COMM_WORLD_SIZE).
-_LAUNCHER_SIZES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
-
-
-def _several_ranks() -> bool:
-    """Whether this process is one rank of a job of several: a launcher said so, or MPI is
-    already running here (imported by the user or by dtensor.comm) with a world of several."""
-    for name in _LAUNCHER_SIZES:
-        with contextlib.suppress(ValueError):
-            if int(os.environ.get(name, "1")) > 1:
-                return True
-    mpi = sys.modules.get("mpi4py.MPI")  # never started here: a job of one has no MPI
-    return (mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
-            and mpi.COMM_WORLD.Get_size() > 1)
 
 
 def _world(flat):

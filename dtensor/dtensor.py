@@ -204,10 +204,13 @@ class DTensor(TensorMethods):
         def check() -> tuple[Placement, ...]:
             ps = as_placements(placements or self.placements, self.device_mesh, self.shape)
             for m, p in enumerate(ps):
-                if isinstance(p, Partial) and p != self.placements[m]:
-                    raise ValueError(f"redistribute to {p} (mesh dim {m}) is not allowed: "
-                                     f"Partial is a pending reduction that only ops produce. "
-                                     f"Use Replicate() or Shard(d).")
+                # As PyTorch: a whole value becomes partials (for sum, one rank keeps it and
+                # the others hold zeros; for avg/max/min every rank keeps it). Between two
+                # reductions there is no such step.
+                src = self.placements[m]
+                if isinstance(p, Partial) and isinstance(src, Partial) and p != src:
+                    raise ValueError(f"redistribute from {src} to {p} (mesh dim {m}) is not "
+                                     f"allowed: reduce first (Replicate()), then make it {p}.")
             return ps
 
         ps = _agreed(self.device_mesh, "redistribute", check, placements=placements,

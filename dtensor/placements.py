@@ -89,7 +89,14 @@ def as_placements(placements, mesh, shape: Sequence[int]) -> tuple[Placement, ..
     """``placements`` checked against ``mesh`` (a DeviceMesh) and a tensor of ``shape``: a
     sequence of exactly one Placement per mesh dim, each Shard's dim in range; negative Shard
     dims come back resolved."""
-    if isinstance(placements, Placement) or not isinstance(placements, (list, tuple)):
+    if isinstance(placements, Placement):
+        ctor = {Shard: lambda p: f"Shard({p.dim})", Replicate: lambda p: "Replicate()",
+                Partial: lambda p: f"Partial({p.reduce_op!r})"}[type(placements)](placements)
+        example = ", ".join([ctor] + ["Replicate()"] * (mesh.ndim - 1))
+        raise TypeError(f"placements takes one placement per mesh dim, as a list; got the single "
+                        f"placement {placements!r} for the {mesh.ndim}-d mesh {mesh}. Pass "
+                        f"[{example}].")
+    if not isinstance(placements, (list, tuple)):
         raise TypeError(f"placements must be a list with one placement per mesh dim, e.g. "
                         f"[Shard(0)] for a 1-d mesh, got {placements!r}.")
     if len(placements) != mesh.ndim:

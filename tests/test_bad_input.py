@@ -102,8 +102,11 @@ def _api_cases(tmp: str):
         ("shard dim range", lambda: distribute_tensor(x, mesh, [Shard(3)]), ValueError,
          r"S\(3\) is out of range for a tensor of shape \(4, 6\)"),
         ("placement type", lambda: distribute_tensor(x, mesh, ["S0"]), TypeError, r"'S0'"),
-        ("redistribute to partial", lambda: dx.redistribute(placements=[Partial()]), ValueError,
-         r"redistribute to P\(sum\) \(mesh dim 0\) is not allowed"),
+        ("redistribute partial to partial", lambda: dx.redistribute(placements=[Partial()])
+         .redistribute(placements=[Partial("max")]), ValueError,
+         r"from P\(sum\) to P\(max\) \(mesh dim 0\) is not allowed: reduce first"),
+        ("single placement", lambda: distribute_tensor(x, mesh, Shard(0)), TypeError,
+         r"single placement S\(0\) for the 1-d mesh .* Pass \[Shard\(0\)\]"),
         ("redistribute other mesh", lambda: dx.redistribute(mesh2, [Replicate(), Replicate()]),
          NotImplementedError, r"another mesh"),
         ("from_local shape", lambda: DTensor.from_local(np.ones((3, 2)), mesh, [Shard(0)],

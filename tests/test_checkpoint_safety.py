@@ -214,7 +214,7 @@ def test_a_save_removes_only_the_files_a_save_wrote(tmp_path, folder, put):
     ({"WORLD_SIZE": "two"}, False),
 ], ids=["none", "WORLD_SIZE", "MPICH PMI_SIZE", "Open MPI", "PMI_SIZE 1", "garbage"])
 def test_a_launchers_world_size_makes_save_collective(monkeypatch, env, several):
-    from dtensor.checkpoint import _LAUNCHER_SIZES, _several_ranks
+    from dtensor.distributed import _LAUNCHER_SIZES, _several_ranks
     for name in _LAUNCHER_SIZES:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -869,7 +869,7 @@ def test_a_save_that_fails_midway_keeps_the_previous_checkpoint(comm, rank, tmp_
 
 @pytest.mark.ranks(2, timeout=120)
 def test_a_plain_tensor_save_under_bare_mpiexec_is_collective(comm, rank, tmp_path, monkeypatch):
-    from dtensor.checkpoint import _LAUNCHER_SIZES
+    from dtensor.distributed import _LAUNCHER_SIZES
     for name in _LAUNCHER_SIZES:  # what `mpiexec -n 2 python ...` with no launcher env sees
         monkeypatch.delenv(name, raising=False)
     for i in range(3):  # racing ranks deleted each other's versions

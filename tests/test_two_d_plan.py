@@ -131,3 +131,28 @@ def test_implicit_replication_carries_gradients_to_plain_tensors(rank):
         y = dtensor.distribute_tensor(dtensor.tensor(x), mesh, [Shard(0)]) * scale
     (y ** 2).sum().backward()
     np.testing.assert_allclose(scale.grad.numpy(), (2 * x ** 2 * w).sum(0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("src", ["R", "S0"])
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+@pytest.mark.ranks(3, timeout=120)
+def test_redistribute_to_partial_is_the_same_value_and_differentiable(src, op, rank):
+    # PyTorch allows Replicate -> Partial; a Shard source is gathered first by the same table.
+    from dtensor import Partial, Replicate
+    mesh = dtensor.init_device_mesh("cpu", (3,))
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 4)), rng.standard_normal((5, 4))
+    xd = dtensor.distribute_tensor(dtensor.tensor(x, requires_grad=True), mesh,
+                                   [Replicate() if src == "R" else Shard(0)])
+    y = xd.redistribute(mesh, [Partial(op)])
+    assert y.placements == (Partial(op),)
+    local = y.to_local().numpy()
+    np.testing.assert_array_equal(local, x if op != "sum" or rank == 0 else np.zeros_like(x))
+    # avg sums three equal values and divides by three: rounding, 2 ulp at most
+    np.testing.assert_allclose(y.full_tensor().numpy(), x, rtol=4.5e-16 if op == "avg" else 0)
+    (y.redistribute(mesh, [Replicate()]) * dtensor.distribute_tensor(
+        dtensor.tensor(w), mesh, [Replicate()])).sum().backward()
+    if op in ("sum", "avg"):  # max/min of equal values: the gradient is each rank's choice
+        np.testing.assert_allclose(xd.grad.full_tensor().numpy(), w, rtol=1e-12)
+    with pytest.raises(ValueError, match=rf"from P\({op}\) to P\(.*\) .*Replicate\(\)"):
+        y.redistribute(mesh, [Partial("max" if op != "max" else "sum")])

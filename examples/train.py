@@ -10,6 +10,7 @@ imported).
     python examples/train.py --save-every 100       # sharded checkpoints in checkpoints/train
     dtlaunch --nproc 4 examples/train.py --resume checkpoints/train   # continue, any layout
     python examples/train.py --steps 100 --n-layer 2
+    python examples/train.py --expect-val-loss 2.5  # self-check: exit 1 unless val loss < 2.5
     python examples/train.py --help
 
 Under dtlaunch the model goes through dtensor.parallel.parallelize on a ("dp", "tp") mesh:
@@ -17,6 +18,10 @@ Megatron tensor parallelism over "tp" (optionally sequence parallel, --sp), data
 over "dp" (parameters replicated, or sharded with --fsdp). Every rank draws the same global
 batch; each "dp" rank computes on its rows. By default tp is 2 (when the ranks and heads allow)
 and dp takes the rest.
+
+A run that trains as asked exits 0 and prints a sample. Flags that cannot run together (--sp
+without tensor-parallel ranks, --fsdp without data-parallel ones, --backend without --compile, a
+layout that needs another --nproc) exit 2 at once with the command to run instead.
 
 Every flag maps to a field of TrainConfig; the model is dtensor.nn.GPT.
 """
@@ -27,11 +32,12 @@ import ast
 import dataclasses
 import math
 import os
-import sys
+import shlex
 import sysconfig
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -39,35 +45,178 @@ import dtensor
 from dtensor.nn import GPT, GPTConfig
 
 
+# ----------------------------------------------------------------------------- flags
+
+def flag(default, help: str, low: float | None = None, **argparse_kwargs):
+    """A TrainConfig field with its --help text and, where set, the least value it takes."""
+    return field(default=default, metadata={"help": help, "low": low, **argparse_kwargs})
+
+
 @dataclass
 class TrainConfig:
-    steps: int = 600
-    batch_size: int = 16
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    corpus_chars: int = 2_000_000
-    eval_every: int = 100
-    seed: int = 1337
-    sample_chars: int = 300
-    tp: int = 0  # 0: 2 if the ranks and heads allow, else 1
-    dp: int = 0  # 0: the ranks tp leaves
-    sp: bool = False
-    fsdp: bool = False
-    compile: bool = False  # run the whole train step through dtensor.compile
-    backend: str = "numpy"  # dtensor.compile's code generator: numpy, c or triton
-    log_every: int = 10
-    save_every: int = 0  # > 0: a sharded checkpoint every this many steps
-    save_dir: str = "checkpoints/train"
-    resume: str = ""  # a checkpoint folder to continue from (any --nproc / layout)
-    stop_after: int = 0  # > 0: stop after this many steps (as if interrupted), schedule intact
+    steps: int = flag(600, "optimizer steps to train", low=1)
+    batch_size: int = flag(16, "sequences per step: the global batch, split over the dp ranks",
+                           low=1)
+    block_size: int = flag(64, "sequence length in characters (the model's context)", low=1)
+    n_layer: int = flag(4, "Transformer blocks", low=1)
+    n_head: int = flag(4, "attention heads per block (tp must divide it)", low=1)
+    n_embd: int = flag(128, "embedding width (n_head must divide it)", low=1)
+    dropout: float = flag(0.0, "dropout probability", low=0)
+    lr: float = flag(2e-3, "peak learning rate (AdamW)", low=0)
+    min_lr: float = flag(2e-4, "learning rate at the end of the cosine decay", low=0)
+    warmup: int = flag(30, "steps of linear warmup to --lr", low=0)
+    weight_decay: float = flag(0.01, "AdamW weight decay", low=0)
+    grad_clip: float = flag(1.0, "clip the gradients' global norm to this", low=0)
+    corpus_chars: int = flag(2_000_000, "characters of stdlib docstrings to use, 5%% of them "
+                             "held out for validation", low=1)
+    eval_every: int = flag(100, "print the val loss every this many steps (0: only at the end)",
+                           low=0)
+    seed: int = flag(1337, "seed of the initialisation, dropout, data order and sample")
+    sample_chars: int = flag(300, "characters to generate after training (0: no sample)", low=0)
+    tp: int = flag(0, "tensor-parallel ranks (0: 2 when the ranks and --n-head allow, else 1)",
+                   low=0)
+    dp: int = flag(0, "data-parallel ranks (0: the ranks tp leaves)", low=0)
+    sp: bool = flag(False, "sequence parallelism: norms and dropout on sequence shards over the "
+                    "tp ranks (needs tp >= 2)")
+    fsdp: bool = flag(False, "shard parameters and optimizer state over the dp ranks "
+                      "(needs dp >= 2)")
+    compile: bool = flag(False, "run the whole train step through dtensor.compile")
+    backend: str = flag("numpy", "dtensor.compile's code generator (needs --compile)",
+                        choices=("numpy", "c", "triton"))
+    log_every: int = flag(10, "print the train loss every this many steps", low=1)
+    save_every: int = flag(0, "save a sharded checkpoint every this many steps (0: never)", low=0)
+    save_dir: str = flag("checkpoints/train", "where --save-every writes")
+    resume: str = flag("", "a checkpoint folder to continue from, saved by any layout")
+    stop_after: int = flag(0, "stop after this many steps, as if interrupted, the schedule still "
+                           "that of --steps (0: run all)", low=0)
+    expect_val_loss: float = flag(0.0, "self-check: exit 1 unless the final val loss is below "
+                                  "this, printing both (0: no check)", low=0)
+
+
+PROMPT = "Return the "  # the start of the sample printed after training
+
+
+class Layout(NamedTuple):
+    world: int  # ranks in this job (1: plain python)
+    dp: int
+    tp: int
+
+
+def mesh_shape(cfg: TrainConfig, world: int) -> tuple[int, int]:
+    """(dp, tp) for ``world`` ranks, filling in the flags left at 0 (RULES check the product)."""
+    if cfg.tp:
+        tp = cfg.tp
+    elif cfg.dp:
+        tp = max(1, world // cfg.dp)
+    else:
+        tp = 2 if world % 2 == 0 and cfg.n_head % 2 == 0 else 1
+    return cfg.dp or max(1, world // tp), tp
+
+
+def relaunch(cfg: TrainConfig, nproc: int, **changes) -> str:
+    """The command that runs these flags, with ``changes``, on ``nproc`` ranks."""
+    new, args = dataclasses.replace(cfg, **changes), []
+    for f in dataclasses.fields(new):
+        value = getattr(new, f.name)
+        if value != f.default:
+            args += ["--" + f.name.replace("_", "-")] + ([] if value is True else [str(value)])
+    head = ["python"] if nproc == 1 else ["dtlaunch", "--nproc", str(nproc)]
+    return shlex.join([*head, os.path.relpath(__file__), *args])
+
+
+def sp_gap(tp: int, lengths) -> int | None:
+    """The first sequence length that leaves a tp rank without positions under Shard(1)
+    (each rank takes ceil(T / tp)), or None."""
+    return next((t for t in lengths if (tp - 1) * -(-t // tp) >= t), None)
+
+
+def sp_lengths(c: TrainConfig) -> range:
+    """Every sequence length the model sees: training's --block-size, and sampling's contexts,
+    which grow from the prompt up to --block-size."""
+    return range(min(len(PROMPT), c.block_size) if c.sample_chars else c.block_size,
+                 c.block_size + 1)
+
+
+# Flag combinations that cannot run as asked: (broken, message with the fix), checked in this
+# order after each flag's own least value, before any data or parallel setup. The layout's own
+# consistency comes before the rank count, so that a suggested command runs.
+RULES: list[tuple[Callable[[TrainConfig, Layout], bool], Callable[[TrainConfig, Layout], str]]] = [
+    (lambda c, L: c.dropout >= 1,
+     lambda c, L: f"--dropout {c.dropout:g} drops everything: use a probability below 1"),
+    (lambda c, L: c.n_embd % c.n_head,
+     lambda c, L: f"--n-embd {c.n_embd} does not split into --n-head {c.n_head} heads: use an "
+                  f"--n-embd that is a multiple of {c.n_head}"),
+    (lambda c, L: c.n_head % L.tp,
+     lambda c, L: f"--n-head {c.n_head} does not split over tp={L.tp} ranks (each computes "
+                  f"whole heads): use --tp {max(d for d in range(1, L.tp) if c.n_head % d == 0)}"
+                  f" or an --n-head that is a multiple of {L.tp}"),
+    (lambda c, L: c.sp and L.tp < 2,
+     lambda c, L: f"--sp splits each sequence over the tensor-parallel ranks, and this layout "
+                  f"is dp={L.dp} x tp={L.tp}: run `{relaunch(c, 2 * L.dp, tp=2 if c.tp else 0)}`"),
+    (lambda c, L: c.fsdp and L.dp < 2,
+     lambda c, L: f"--fsdp shards parameters over the data-parallel ranks, and this layout is "
+                  f"dp={L.dp} x tp={L.tp}: run `{relaunch(c, 2 * L.tp, dp=2)}`"),
+    (lambda c, L: c.batch_size % L.dp,
+     lambda c, L: f"--batch-size {c.batch_size} does not split over dp={L.dp} ranks (each takes "
+                  f"batch / dp whole rows): use a multiple of {L.dp}, e.g. --batch-size "
+                  f"{max(L.dp, c.batch_size - c.batch_size % L.dp)}"),
+    (lambda c, L: c.sp and sp_gap(L.tp, sp_lengths(c)),
+     lambda c, L: f"--sp over tp={L.tp} ranks leaves a rank without positions in a sequence of "
+                  f"{sp_gap(L.tp, sp_lengths(c))} (training's --block-size {c.block_size}, or a "
+                  f"sampling context, which grows from the {len(PROMPT)}-character prompt to "
+                  f"--block-size): use another --block-size or --tp, or drop --sp"),
+    (lambda c, L: L.dp * L.tp != L.world,
+     lambda c, L: f"dp={L.dp} x tp={L.tp} takes {L.dp * L.tp} ranks, and this job has "
+                  f"{L.world}: run `{relaunch(c, L.dp * L.tp)}`"
+                  + (f", or pick --dp and --tp whose product is {L.world}" if L.world > 1 else "")),
+    (lambda c, L: c.backend != "numpy" and not c.compile,
+     lambda c, L: f"--backend {c.backend} picks dtensor.compile's code generator, and this run "
+                  f"is eager: add --compile"),
+    (lambda c, L: c.expect_val_loss and c.stop_after and c.stop_after <= c.steps,
+     lambda c, L: f"--expect-val-loss checks the final val loss, which --stop-after "
+                  f"{c.stop_after} stops before: drop one of them"),
+    (lambda c, L: c.resume and not os.path.isdir(c.resume),
+     lambda c, L: f"--resume {c.resume}: no such folder; pass the --save-dir of a run saved "
+                  f"with --save-every"),
+    (lambda c, L: c.corpus_chars - int(0.95 * c.corpus_chars) <= c.block_size + 1,
+     lambda c, L: f"--corpus-chars {c.corpus_chars} holds out "
+                  f"{c.corpus_chars - int(0.95 * c.corpus_chars)} characters for validation, too "
+                  f"few for one --block-size {c.block_size} sequence: use --corpus-chars "
+                  f"{20 * (c.block_size + 2)} or more"),
+]
+
+
+def check_flags(cfg: TrainConfig, world: int) -> str | None:
+    """What is wrong with these flags on ``world`` ranks and how to fix it, or None."""
+    for f in dataclasses.fields(cfg):
+        low, value = f.metadata["low"], getattr(cfg, f.name)
+        if low is not None and value < low:
+            return f"--{f.name.replace('_', '-')} {value}: must be at least {low}"
+    layout = Layout(world, *mesh_shape(cfg, world))
+    return next((msg(cfg, layout) for broken, msg in RULES if broken(cfg, layout)), None)
+
+
+def parse_args(argv: list[str] | None, world: int) -> TrainConfig:
+    """TrainConfig from the command line; a flag combination that cannot run exits 2 saying
+    what to change."""
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    ap = argparse.ArgumentParser(
+        prog=os.path.relpath(__file__), description=__doc__, formatter_class=Formatter,
+        usage="python %(prog)s [flags]  or  dtlaunch --nproc N %(prog)s [flags]")
+    for f in dataclasses.fields(TrainConfig):
+        name, extra = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        extra.pop("low")  # checked by check_flags, with the other rules
+        if f.type == "bool":
+            ap.add_argument(name, action="store_true", **extra)
+        else:
+            ap.add_argument(name, type=type(f.default), default=f.default, **extra)
+    cfg = TrainConfig(**vars(ap.parse_args(argv)))
+    problem = check_flags(cfg, world)
+    if problem:
+        ap.error(problem)
+    return cfg
 
 
 # ----------------------------------------------------------------------------- data
@@ -146,37 +295,12 @@ def evaluate(model, data: CharData, cfg: TrainConfig, batches: int = 4) -> float
     return float(np.mean(losses))
 
 
-def mesh_shape(cfg: TrainConfig, world: int) -> tuple[int, int]:
-    """(dp, tp) for ``world`` ranks, filling in the flags left at 0."""
-    if cfg.tp:
-        tp = cfg.tp
-    elif cfg.dp:
-        tp = world // cfg.dp
-    else:
-        tp = 2 if world % 2 == 0 and cfg.n_head % 2 == 0 else 1
-    dp = cfg.dp or world // tp
-    if dp * tp != world:
-        raise ValueError(f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but this job has {world}; "
-                         f"launch with dtlaunch --nproc {dp * tp} or change the flags.")
-    if cfg.batch_size % dp:
-        raise ValueError(f"--batch-size {cfg.batch_size} must divide over dp={dp} ranks.")
-    return dp, tp
-
-
-def main(argv=None) -> float:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            ap.add_argument(flag, action="store_true")
-        else:
-            ap.add_argument(flag, type=type(f.default), default=f.default)
-    cfg = TrainConfig(**vars(ap.parse_args(argv)))
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    print_ = print if rank == 0 else (lambda *a, **k: None)
+def main(argv: list[str] | None = None) -> float:
+    """Train as the flags say; returns the final val loss (nan after --stop-after)."""
+    world = dtensor.distributed.get_world_size()  # 1 in a plain process; MPI's under dtlaunch
+    cfg = parse_args(argv, world)
     dp, tp = mesh_shape(cfg, world)
+    print_ = print if dtensor.distributed.get_rank() == 0 else (lambda *a, **k: None)
     dtensor.manual_seed(cfg.seed)
     t0 = time.perf_counter()
     data = CharData(stdlib_docstrings(cfg.corpus_chars), cfg.seed)
@@ -205,6 +329,7 @@ def main(argv=None) -> float:
         return loss
 
     step_fn = dtensor.compile(train_step, backend=cfg.backend) if cfg.compile else train_step
+
     def state() -> dict:
         """Everything a resumed run needs to continue exactly: weights, optimizer, the
         counter-based RNG and the data order's RNG, the step."""
@@ -255,15 +380,22 @@ def main(argv=None) -> float:
 
     val = evaluate(model, data, cfg)
     print_(f"final: train loss {loss_val:.4f}, val loss {val:.4f}, "
-          f"{time.perf_counter() - t0:.0f}s total")
-    # One copy of the prompt per "dp" rank (the batch is split over "dp"); print the first.
-    prompt = np.array([[data.stoi[c] for c in "Return the "]] * dp)
-    model.eval()
-    out = model.generate(prompt, cfg.sample_chars, temperature=0.8, top_k=20)
-    print_("sample:\n" + data.decode(out[0].tolist()))
+           f"{time.perf_counter() - t0:.0f}s total")
+    if cfg.sample_chars:
+        # One copy of the prompt per "dp" rank (the batch is split over "dp"); print the first.
+        prompt = np.array([[data.stoi[c] for c in PROMPT]] * dp)
+        model.eval()
+        out = model.generate(prompt, cfg.sample_chars, temperature=0.8, top_k=20)
+        print_("sample:\n" + data.decode(out[0].tolist()), flush=True)
+    if cfg.expect_val_loss:
+        # The val loss is replicated, so every rank passes or fails together.
+        passed = val < cfg.expect_val_loss
+        print_(f"check: final val loss {val:.4f} {'<' if passed else '>='} --expect-val-loss "
+               f"{cfg.expect_val_loss:g}: {'passed' if passed else 'FAILED'}", flush=True)
+        if not passed:
+            raise SystemExit(1)
     return val
 
 
 if __name__ == "__main__":
-    val = main()
-    sys.exit(0 if val < 2.5 or math.isnan(val) else 1)
+    main()

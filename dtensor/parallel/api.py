@@ -10,7 +10,7 @@ import numpy as np
 
 from dtensor import autograd
 # _redistribute: FSDP's gathers are layouts the framework derived itself (no agreement check).
-from dtensor.dtensor import (DTensor, _agreed, _redistribute, distribute_tensor,
+from dtensor.dtensor import (DTensor, DTensorSpec, _agreed, _redistribute, distribute_tensor,
                              implicit_replication)
 from dtensor.mesh import DeviceMesh
 from dtensor.nn.module import Module
@@ -20,6 +20,7 @@ from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModul
                                     PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                     distribute_param, wrap_forward)
 from dtensor.placements import Partial, Replicate, Shard
+from dtensor.redistribute import redistribute_local
 from dtensor.tensor import Tensor, TensorMethods
 from dtensor.validate import as_bool
 
@@ -382,22 +383,26 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
 # ----------------------------------------------------------------------------- replicate
 
 
-def _summed(g, comm):
-    if isinstance(g, DTensor):  # a tp parameter's gradient: its block, laid out alike on each rank
-        return DTensor._make(comm.all_reduce(np.array(g._loc())), g._spec)
-    return Tensor(comm.all_reduce(np.array(g.data)))
+def _summed(g, mesh: DeviceMesh):
+    """``g``'s block summed over the data-parallel ranks: each rank's block is one partial of
+    a Partial(sum) value on ``mesh``, made whole by the redistribute table (so a compiled step
+    traces it as a collective like any other)."""
+    local = g._loc() if isinstance(g, DTensor) else g.data
+    spec = DTensorSpec(mesh, (Partial(),), tuple(local.shape), np.dtype(local.dtype))
+    whole = redistribute_local(local, spec, (Replicate(),))
+    return DTensor._make(whole, g._spec) if isinstance(g, DTensor) else Tensor._wrap(whole)
 
 
 # Identity forward; the backward sums the gradient over the data-parallel ranks (DDP's
 # all-reduce, per parameter, as an autograd node, so it runs wherever the backward does).
 _DP_GRAD_SUM = Op("dp_grad_sum", impl=None, abstract=None, linearity="all", lower="collective",
-                  vjp=lambda g, out, x, comm: (_summed(g, comm),))
+                  vjp=lambda g, out, x, mesh: (_summed(g, mesh),))
 
 
-def _grad_summed(p, comm):
-    out = DTensor._make(p._loc(), p._spec) if isinstance(p, DTensor) else Tensor(p.data)
+def _grad_summed(p, mesh: DeviceMesh):
+    out = DTensor._make(p._loc(), p._spec) if isinstance(p, DTensor) else Tensor._wrap(p.data)
     if autograd.is_grad_enabled() and p.requires_grad:
-        autograd.record(_DP_GRAD_SUM, (p,), {"comm": comm}, out)
+        autograd.record(_DP_GRAD_SUM, (p,), {"mesh": mesh}, out)
     return out
 
 
@@ -454,8 +459,7 @@ def replicate(module: Module, device_mesh: DeviceMesh) -> Module:
                              f"{device_mesh._dims_text()}; pass mesh['dp'].")
 
     _agree(device_mesh, "replicate", check, params=_params_text(module))
-    comm, n = device_mesh.get_group(0), device_mesh.size()
-    if n == 1:
+    if device_mesh.size() == 1:
         return module
 
     def around(inner, *args, **kwargs):
@@ -468,7 +472,7 @@ def replicate(module: Module, device_mesh: DeviceMesh) -> Module:
         owners = [(m, name, p) for m in module.modules()
                   for name, p in m._parameters.items() if p is not None]
         stored = {(id(m), name): p for m, name, p in owners}
-        summed = {id(p): _grad_summed(p, comm) for _, _, p in owners}
+        summed = {id(p): _grad_summed(p, device_mesh) for _, _, p in owners}
         for m, name, p in owners:
             m._parameters[name] = summed[id(p)]  # a tied parameter: one node, one all-reduce
         try:

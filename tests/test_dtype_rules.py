@@ -108,3 +108,19 @@ def test_subpackages_are_attributes_and_start_no_mpi():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("given", [[[1.0, 2.0]], ((1.0, 2.0),), [[1.0, 2]]],
+                         ids=["nested list", "nested tuple", "mixed list"])
+def test_a_layer_takes_python_lists_of_floats_in_its_own_dtype(given):
+    # a list of floats becomes float32 (dtensor's default float, as torch.tensor's), the layer's
+    lin = Linear(2, 3)
+    y = lin(given)
+    assert y.dtype == f32
+    want = np.asarray(given, f32) @ lin.weight.numpy().T + lin.bias.numpy()
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-6)
+
+
+def test_a_list_of_ints_is_an_int_tensor_and_refused_like_pytorch():
+    with pytest.raises(TypeError, match="input is int64 but weight is float32"):
+        Linear(2, 3)([[1, 2]])

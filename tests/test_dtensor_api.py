@@ -148,8 +148,8 @@ def test_bad_input_is_clear_and_raised_on_every_rank(rank):
     with pytest.raises(ValueError, match=r"S\(2\) is out of range for a tensor of shape \(4, 3\)"):
         distribute_tensor(x, mesh, [Shard(2)])
     d = distribute_tensor(x, mesh, [Shard(0)])
-    with pytest.raises(ValueError, match=r"redistribute to P\(sum\).*not allowed"):
-        d.redistribute(mesh, [Partial()])
+    with pytest.raises(ValueError, match=r"from P\(sum\) to P\(max\).*not allowed"):
+        d.redistribute(mesh, [Partial()]).redistribute(mesh, [Partial("max")])
     with pytest.raises(TypeError, match="Shard"):
         distribute_tensor(x, mesh, ["S0"])
     # from_local with blocks that disagree across ranks: caught on every rank with run_check.
@@ -253,8 +253,8 @@ def test_ranks_that_pass_different_metadata_fail_together(rank):
          ValueError, r"redistribute: .*placements: \[S\(0\)\] on ranks \[0\], \[S\(1\)\] on "
                      r"ranks \[1\]"),
         ("redistribute bad on one rank", lambda: d.redistribute(
-            mesh, [Partial() if one else Replicate()]),
-         ValueError, r"redistribute failed on rank 1: redistribute to P\(sum\)"),
+            mesh, [Shard(5) if one else Replicate()]),
+         ValueError, r"redistribute failed on rank 1: S\(5\) is out of range"),
         ("mesh type", lambda: distribute_tensor(x, "tp", [Shard(0)]), TypeError,
          r"device_mesh must be a DeviceMesh.*got str 'tp'"),
     ]

@@ -38,10 +38,13 @@ def assert_trained_and_sampled(rc, out):
 @pytest.fixture(scope="module")
 def one_process_run():
     # A generous --expect-val-loss: the self-check passes and says what it compared.
-    rc, out = run([*TRAIN, *SMALL, "--expect-val-loss", "10"])
+    return run([*TRAIN, *SMALL, "--expect-val-loss", "10"])
+
+
+def test_one_process_trains_exits_0_and_samples(one_process_run):
+    rc, out = one_process_run
     assert_trained_and_sampled(rc, out)
     assert re.search(r"check: final val loss \d+\.\d+ < --expect-val-loss 10: passed", out), out
-    return out
 
 
 @pytest.mark.timeout(300)
@@ -54,8 +57,8 @@ def test_parallel_training_matches_one_process(one_process_run, layout):
     nproc, flags = layout[:2], layout[2:]
     rc, par = run([*DTLAUNCH, *nproc, "examples/train.py", *SMALL, *flags])
     assert_trained_and_sampled(rc, par)
-    ref, got = losses(one_process_run), losses(par)
-    assert ref and len(ref) == len(got), (one_process_run[-2000:], par[-2000:])
+    ref, got = losses(one_process_run[1]), losses(par)
+    assert ref and len(ref) == len(got), (one_process_run[1][-2000:], par[-2000:])
     assert got == pytest.approx(ref, rel=1e-5), (ref, got)
 
 

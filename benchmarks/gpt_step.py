@@ -18,6 +18,7 @@ is the median over steps of eager / compiled time.
 
     python benchmarks/gpt_step.py                                  # standard workload
     python benchmarks/gpt_step.py --compile [--backend c]
+    dtlaunch --nproc 1 benchmarks/gpt_step.py --compile --backend c  # as fast as plain python
     dtlaunch --nproc 2 benchmarks/gpt_step.py --tp 2
     dtlaunch --nproc 4 benchmarks/gpt_step.py --tp 2 --dp 2 --sp [--fsdp]
 """
@@ -185,6 +186,8 @@ def main() -> None:
         "backend": args.backend if args.compile else None, "ranks": world,
         "tp": args.tp, "dp": args.dp, "sp": args.sp, "fsdp": args.fsdp,
         "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
+        # set by dtensor at import unless the user set it (dtensor/_threads.py)
+        "blas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT", "default"),
         "step_s_median": round(med, 4), "step_s_min": round(min(times), 4),
         "step_s_max": round(max(times), 4), "steps": args.steps,
         "tokens_per_s": round(args.batch * args.seq / med, 1),

@@ -7,12 +7,12 @@ import ctypes
 import os
 
 # After each multi-threaded GEMM, OpenBLAS's workers spin (sched_yield) for 2^28 cycles, ~0.1 s,
-# before they sleep: a core shared with them runs anything else at about half speed, e.g. the
-# C backend's kernels split over the BLAS threads' cores. 2^20 cycles (~0.3 ms) outlasts the gap
-# between back-to-back GEMMs. Measured on the 2-core machine (the standard GPT step, eager and
-# compiled with backend="c" interleaved in one process, medians of 10 steps, two runs each):
-# eager 0.440 / 0.477 s -> 0.443 / 0.435 s; compiled 0.341 / 0.375 s -> 0.313 / 0.309 s.
-# 2^4 made eager slower (0.51 / 0.49 s): its workers slept between GEMMs.
+# before they sleep, taking the cores that the C backend's kernel threads (and any other work)
+# run on next; 2^20 cycles (~0.3 ms) still outlasts the gap between back-to-back GEMMs, and 2^4
+# made eager steps slower (workers asleep between GEMMs). Shown by
+# ``python benchmarks/gpt_step.py --compile --backend c`` against the same under dtlaunch,
+# which sets these for its ranks (launcher/bootstrap.py keeps its own copy: it imports nothing
+# from dtensor).
 BLAS_SPIN_VARS = {"OPENBLAS_THREAD_TIMEOUT": "20"}
 
 

@@ -74,3 +74,11 @@ def test_blas_spin_arranged_at_import(order, user_value, expect_env, expect_spin
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: OpenBLAS starts no worker threads to spin")
     assert (got["spin_ms"] > SPIN_MS) == expect_spin, got
+
+
+def test_dtlaunch_sets_the_same_values():
+    # launcher/bootstrap.py imports nothing from dtensor (it runs before numpy loads), so it
+    # keeps its own copy for ranks whose script does not import dtensor.
+    from dtensor._threads import BLAS_SPIN_VARS
+    from dtensor.launcher.bootstrap import BLAS_SPIN_VARS as launcher_vars
+    assert launcher_vars == BLAS_SPIN_VARS

@@ -8,10 +8,10 @@ import ctypes
 import os
 import sys
 
-from dtensor._threads import shorten_blas_spin
+from dtensor import _threads
 
 # Before numpy where dtensor is imported first: its OpenBLAS reads the variables as it loads.
-shorten_blas_spin()
+_threads.shorten_blas_spin()
 
 import numpy as np  # noqa: E402
 

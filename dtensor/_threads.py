@@ -10,13 +10,13 @@ import os
 # before they sleep, taking the cores that the C backend's kernel threads (and any other work)
 # run on next; 2^20 cycles (~0.3 ms) still outlasts the gap between back-to-back GEMMs, and 2^4
 # made eager steps slower (workers asleep between GEMMs). Shown by
-# ``python benchmarks/gpt_step.py --compile --backend c`` against the same under dtlaunch,
-# which sets these for its ranks (launcher/bootstrap.py keeps its own copy: it imports nothing
-# from dtensor).
+# ``python benchmarks/gpt_step.py --compile --backend c`` against the same with
+# OPENBLAS_THREAD_TIMEOUT=28 (OpenBLAS's default). dtlaunch sets the same for its ranks
+# (launcher/bootstrap.py keeps its own copy: it imports nothing from dtensor).
 BLAS_SPIN_VARS = {"OPENBLAS_THREAD_TIMEOUT": "20"}
 
 
-def shorten_blas_spin() -> list[str]:
+def shorten_blas_spin() -> None:
     """Set :data:`BLAS_SPIN_VARS` where the user has not, and make an OpenBLAS that is already
     loaded use them.
 
@@ -24,16 +24,11 @@ def shorten_blas_spin() -> list[str]:
     started with. Where numpy was imported first, each loaded OpenBLAS re-reads its
     environment and stops its workers (what it does itself before a fork); its next threaded
     call starts them again with the new timeout. A user's own value is never overridden.
-
-    Returns:
-        The paths of the loaded OpenBLAS libraries that were restarted (none where numpy was not
-        loaded yet, or where the user set every variable).
     """
     added = {k: v for k, v in BLAS_SPIN_VARS.items() if k not in os.environ}
     if not added:
-        return []
+        return
     os.environ.update(added)
-    restarted = []
     for path in _loaded_openblas():
         try:  # RTLD_NOLOAD: the handle of the copy already mapped, never a new load
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
@@ -44,8 +39,6 @@ def shorten_blas_spin() -> list[str]:
         if hasattr(lib, "openblas_read_env") and hasattr(lib, "blas_thread_shutdown_"):
             lib.openblas_read_env()
             lib.blas_thread_shutdown_()
-            restarted.append(path)
-    return restarted
 
 
 def _loaded_openblas() -> list[str]:

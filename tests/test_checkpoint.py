@@ -234,9 +234,8 @@ def test_resume_on_another_world_size_gives_the_same_losses(tmp_path):
     launcher = [sys.executable, "-m", "dtensor.launcher"]
 
     def run(cmd):
-        # (exit status 1 only says that 6 steps do not reach the example's loss target)
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-        assert "Traceback" not in out.stdout + out.stderr, out.stdout[-3000:] + out.stderr
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr
         return {int(s): float(v) for s, v in
                 re.findall(r"step +(\d+) \S+ +\S+ +loss (\d+\.\d+)", out.stdout)}
 

@@ -78,13 +78,9 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 # outnumber its cores. The throttle (usleep(1) after 4096 idle polls) made no real difference.
 OVERSUBSCRIBED_CVARS = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 
-# After each multi-threaded GEMM, OpenBLAS's workers spin (sched_yield) for 2^28 cycles, ~0.1 s,
-# before they sleep: a core shared with them runs anything else at about half speed, e.g. the
-# C backend's kernels split over the BLAS threads' cores. 2^20 cycles (~0.3 ms) outlasts the gap
-# between back-to-back GEMMs. Measured on the 2-core machine (the standard GPT step, eager and
-# compiled with backend="c" interleaved in one process, medians of 10 steps, two runs each):
-# eager 0.440 / 0.477 s -> 0.443 / 0.435 s; compiled 0.341 / 0.375 s -> 0.313 / 0.309 s.
-# 2^4 made eager slower (0.51 / 0.49 s): its workers slept between GEMMs.
+# The values of dtensor/_threads.py's BLAS_SPIN_VARS (why, and the benchmark that shows it, are
+# there; tests/test_threads.py checks they agree): this file imports nothing from dtensor, so that
+# a rank's environment is set before numpy loads.
 BLAS_SPIN_VARS = {"OPENBLAS_THREAD_TIMEOUT": "20"}
 
 

@@ -229,6 +229,16 @@ class TensorMethods:
 
     def float(self): return self.astype(np.float32)
     def double(self): return self.astype(np.float64)
+    def type_as(self, other): return self.astype(other.dtype)
+    def pow(self, exponent): return pw.pow(self, exponent)
+
+    def contiguous(self):
+        # No strides to fix: every op hands its kernel arrays it may read in any layout.
+        return self
+
+    def softmax(self, dim: int):
+        from dtensor.nn.functional import softmax  # nn builds on this module
+        return softmax(self, dim)
 
     def masked_fill(self, mask, value):
         _bool_mask(mask, "masked_fill")
@@ -363,6 +373,33 @@ class TensorMethods:
                              f"only for dims it has.")
         shape = tuple(self.shape[i - lead] if n == -1 else n for i, n in enumerate(sizes))
         return self.broadcast_to(shape)
+
+    def unflatten(self, dim: int, sizes):
+        """Split dim ``dim`` into ``sizes`` (one of them may be -1), as torch.Tensor.unflatten."""
+        s = tuple(self.shape)
+        d = as_dim(dim, s, op="unflatten")
+        sizes = _shape_arg((sizes,), "unflatten: sizes", infer=True)
+        try:
+            sizes = _resolve_reshape(s[d], (s[d],), sizes)
+        except ValueError:
+            raise ValueError(f"unflatten: sizes {sizes} do not split dim {d} of size {s[d]} "
+                             f"(shape {s}); their product must be {s[d]}, with at most one "
+                             f"-1.") from None
+        return self.reshape(s[:d] + sizes + s[d + 1:])
+
+    def repeat(self, *sizes):
+        """Tile the tensor ``sizes[i]`` times along dim i (new leading dims for extra sizes), as
+        torch.Tensor.repeat and np.tile: a broadcast of interleaved size-1 dims, then a reshape,
+        so the gradient is the sum over the copies."""
+        reps = _shape_arg(sizes, "repeat: sizes")
+        if len(reps) < self.ndim:
+            raise ValueError(f"repeat: {len(reps)} sizes {reps} for a {self.ndim}-d tensor of "
+                             f"shape {tuple(self.shape)}; give one per dim (1 keeps a dim).")
+        s = (1,) * (len(reps) - self.ndim) + tuple(self.shape)
+        spread = tuple(n for k in s for n in (1, k))
+        tiled = tuple(n for r, k in zip(reps, s) for n in (r, k))
+        return self.reshape(spread).broadcast_to(tiled).reshape(
+            tuple(r * k for r, k in zip(reps, s)))
 
     def __getitem__(self, key):
         return st.getitem(self, key=_index(key, tuple(self.shape)))

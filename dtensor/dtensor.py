@@ -170,10 +170,7 @@ class DTensor(TensorMethods):
                        placements=placements, dtype=str(arr.dtype))
         if run_check:
             _check_from_local(arr, spec)
-        out = DTensor._make(arr, spec)
-        if autograd.is_grad_enabled() and t.requires_grad:
-            autograd.record(_FROM_LOCAL, (t,), {}, out)
-        return out
+        return _from_local(t, arr, spec)
 
     def to_local(self) -> Tensor:
         """This rank's block as a Tensor (gradients flow back to the DTensor)."""
@@ -319,6 +316,15 @@ _TO_LOCAL = Op("to_local", impl=None, abstract=None, linearity="all",
 _FROM_LOCAL = Op("from_local", impl=None, abstract=None, linearity="all",
                  vjp=lambda g, out, t: (Tensor._wrap(redistribute_local(
                      g._loc(), g._spec, _grad_placements(out.placements, g.placements))),))
+
+
+def _from_local(t, arr: np.ndarray, spec: DTensorSpec) -> DTensor:
+    """``arr`` (``t``'s array) as this rank's block of ``spec``, differentiable: from_local
+    once its arguments are checked, or for a caller that derived ``spec`` itself."""
+    out = DTensor._make(arr, spec)
+    if autograd.is_grad_enabled() and t.requires_grad:
+        autograd.record(_FROM_LOCAL, (t,), {}, out)
+    return out
 
 
 def _agreed(mesh: DeviceMesh, what: str, check, fix: str = "", **fields):

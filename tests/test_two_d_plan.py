@@ -172,3 +172,21 @@ def test_redistribute_to_partial_is_the_same_value_and_differentiable(src, op, r
         np.testing.assert_allclose(xd.grad.full_tensor().numpy(), w, rtol=1e-12)
     with pytest.raises(ValueError, match=rf"from P\({op}\) to P\(.*\) .*Replicate\(\)"):
         y.redistribute(mesh, [Partial("max" if op != "max" else "sum")])
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_replicate_sums_each_gradient_once_and_moves_nothing_forward(rank):
+    # DDP's traffic: one all-reduce per parameter in the backward, of the parameter's size;
+    # the forward only slices the batch (the loss is reduced when it is read).
+    from dtensor.comm import count_collectives
+    mesh = dtensor.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = replicate(Scorer(), mesh)
+    x, y = _batch("scorer", np.random.default_rng(0))
+    with count_collectives() as fwd:
+        _, loss = model(x, y)
+    with count_collectives() as bwd:
+        loss.backward()
+    assert fwd.summary() == {}
+    sizes = sum(p.numel() * 4 for p in model.parameters())
+    assert {k: n for k, (n, _) in bwd.summary().items()} == {"all_reduce": 4}
+    assert bwd.summary()["all_reduce"][1] == sizes

@@ -10,8 +10,8 @@ import numpy as np
 
 from dtensor import autograd
 # _redistribute: FSDP's gathers are layouts the framework derived itself (no agreement check).
-from dtensor.dtensor import (DTensor, DTensorSpec, _agreed, _redistribute, distribute_tensor,
-                             implicit_replication)
+from dtensor.dtensor import (DTensor, DTensorSpec, _agreed, _from_local, _redistribute,
+                             distribute_tensor, implicit_replication)
 from dtensor.mesh import DeviceMesh
 from dtensor.nn.module import Module
 from dtensor.ops.registry import Op
@@ -406,29 +406,33 @@ def _grad_summed(p, mesh: DeviceMesh):
     return out
 
 
-def _local_rows(x, mesh: DeviceMesh, name: str):
-    """This rank's rows of a batch input: a plain array is the global batch; a DTensor on
-    ``mesh`` (``DTensor.from_local(rows, mesh, [Shard(0)])``) is laid out as Shard(0)."""
-    n, r = mesh.size(), mesh.get_local_rank()
-    if isinstance(x, DTensor):
-        if x.device_mesh != mesh:
+def _check_rows(batch: dict, mesh: DeviceMesh) -> None:
+    """Each rank takes batch / n whole rows of every batch input (the loss averages over equal
+    shares); a DTensor input must live on the data-parallel mesh."""
+    n = mesh.size()
+    for name, x in batch.items():
+        if isinstance(x, DTensor) and x.device_mesh != mesh:
             raise ValueError(f"replicate: {name} is a DTensor on {x.device_mesh}, not on the "
                              f"data-parallel mesh {mesh}; pass the global batch as an array or "
                              f"DTensor.from_local(rows, mesh['dp'], [Shard(0)]).")
-        rows = x.shape[0] if x.ndim else None
-    else:
         rows = x.shape[0] if len(x.shape) else None
-    if rows is not None and rows % n:
-        raise ValueError(
-            f"replicate: {name} of shape {tuple(x.shape)} has batch size {rows}, which the "
-            f"{n} data-parallel ranks of {mesh._dims_text()} cannot split evenly (each takes "
-            f"batch / {n} rows, and the loss averages over equal shares). Use a batch size "
-            f"that is a multiple of {n}, e.g. {max(n, rows - rows % n)}.")
+        if rows is not None and rows % n:
+            raise ValueError(
+                f"replicate: {name} of shape {tuple(x.shape)} has batch size {rows}, which the "
+                f"{n} data-parallel ranks of {mesh._dims_text()} cannot split evenly (each "
+                f"takes batch / {n} rows, and the loss averages over equal shares). Use a batch "
+                f"size that is a multiple of {n}, e.g. {max(n, rows - rows % n)}.")
+
+
+def _local_rows(x, mesh: DeviceMesh):
+    """This rank's rows of a checked batch input: a plain array is the global batch; a DTensor
+    (``DTensor.from_local(rows, mesh, [Shard(0)])``) is laid out as Shard(0)."""
     if isinstance(x, DTensor):
-        return x.redistribute(mesh, [Shard(0)]).to_local() if x.ndim else x.full_tensor()
-    if rows is None:
+        return _redistribute(x, (Shard(0),)).to_local() if x.ndim else x.full_tensor()
+    if not len(x.shape):
         return x
-    k = rows // n
+    k = x.shape[0] // mesh.size()
+    r = mesh.get_local_rank()
     return x[r * k:(r + 1) * k]
 
 
@@ -463,10 +467,14 @@ def replicate(module: Module, device_mesh: DeviceMesh) -> Module:
         return module
 
     def around(inner, *args, **kwargs):
-        args = tuple(_local_rows(a, device_mesh, f"argument {i}") if _batch(a) else a
-                     for i, a in enumerate(args))
-        kwargs = {k: _local_rows(v, device_mesh, f"argument {k!r}") if _batch(v) else v
-                  for k, v in kwargs.items()}
+        batch = {f"argument {i}": a for i, a in enumerate(args) if _batch(a)}
+        batch.update((f"argument {k!r}", v) for k, v in kwargs.items() if _batch(v))
+        # One agreement per forward, as parallelize's: the outputs' layouts follow from it.
+        _agree(device_mesh, "replicate: the model's forward",
+               lambda: _check_rows(batch, device_mesh),
+               batch=[(k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()])
+        args = tuple(_local_rows(a, device_mesh) if _batch(a) else a for a in args)
+        kwargs = {k: _local_rows(v, device_mesh) if _batch(v) else v for k, v in kwargs.items()}
         rows = next((a.shape[0] for a in (*args, *kwargs.values()) if _batch(a) and a.ndim),
                     None)
         owners = [(m, name, p) for m in module.modules()
@@ -497,8 +505,11 @@ def _dp_outputs(out, mesh: DeviceMesh, rows):
         return out
     if isinstance(out, DTensor):  # the tensor-parallel model's own output: whole on this rank
         out = out.full_tensor()
-    if out.ndim == 0 and np.dtype(out.dtype).kind == "f":
-        return DTensor.from_local(out * (1.0 / mesh.size()), mesh, [Partial()])
+    dtype = np.dtype(out.dtype)
+    if out.ndim == 0 and dtype.kind == "f":
+        share = out * (1.0 / mesh.size())
+        return _from_local(share, share.data, DTensorSpec(mesh, (Partial(),), (), dtype))
     if out.ndim and rows is not None and out.shape[0] == rows:
-        return DTensor.from_local(out, mesh, [Shard(0)])
+        shape = (rows * mesh.size(),) + tuple(out.shape[1:])
+        return _from_local(out, out.data, DTensorSpec(mesh, (Shard(0),), shape, dtype))
     return out

@@ -1,5 +1,5 @@
-"""Optimizers: ``SGD``, ``AdamW`` and ``clip_grad_norm_`` (PyTorch semantics)."""
+"""Optimizers (``SGD``, ``Adam``, ``AdamW``) and ``clip_grad_norm_``, with PyTorch semantics."""
 from dtensor.optim.clip import clip_grad_norm_
-from dtensor.optim.optimizers import SGD, AdamW, Optimizer
+from dtensor.optim.optimizers import SGD, Adam, AdamW, Optimizer
 
-__all__ = ["Optimizer", "SGD", "AdamW", "clip_grad_norm_"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "clip_grad_norm_"]

@@ -1,6 +1,6 @@
-"""SGD and AdamW with PyTorch semantics, written with ops so they run on Tensor and DTensor and
-can be traced by the compiler. Updates replace parameter values (``_assign``), never the
-graph, and never write into a gradient (a gradient tensor may be shared).
+"""SGD, Adam and AdamW with PyTorch semantics, written with ops so they run on Tensor and
+DTensor and can be traced by the compiler. Updates replace parameter values (``_assign``),
+never the graph, and never write into a gradient (a gradient tensor may be shared).
 
 Every way a value reaches an optimizer goes through one check each: ``_param_list`` for the
 parameters (constructor and ``add_param_group``), ``_check_hyperparameters`` for a group's
@@ -21,7 +21,7 @@ from dtensor.ops.nn import adamw_step
 from dtensor.tensor import TensorMethods
 from dtensor.validate import as_bool
 
-__all__ = ["Optimizer", "SGD", "AdamW"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
 
 # dtensor.compile sets this while tracing: per-step scalars (AdamW's learning rate and bias
 # corrections) then become values the compiled step recomputes on every call.
@@ -53,21 +53,26 @@ def _finite(v) -> bool:
 # ``fix`` is the advice ``Optimizer._check_hyperparameters`` appends.
 @dataclass(frozen=True)
 class _Real:
-    """A finite real number in [lo, hi), or [lo, hi] when ``closed``."""
+    """A finite real number in [lo, hi), or [lo, hi] when ``closed``; (lo, ...) when
+    ``open_lo``."""
     example: float
     lo: float = 0.0
     hi: float = math.inf
     closed: bool = False
+    open_lo: bool = False
 
     def check(self, label: str, v):
         # Not numbers.Real: a Fraction or Decimal would turn the update into object arrays.
         if isinstance(v, bool) or not isinstance(v, _REALS):
             raise TypeError(f"invalid {label}: {v!r} has type {type(v).__name__}, not a real "
                             f"number")
-        inside = self.lo <= v <= self.hi if self.closed else self.lo <= v < self.hi
-        if not (inside and _finite(v)):
-            bound = (f"a finite number >= {self.lo:g}" if self.hi == math.inf else
-                     f"in [{self.lo:g}, {self.hi:g}{']' if self.closed else ')'}")
+        above = self.lo < v if self.open_lo else self.lo <= v
+        below = v <= self.hi if self.closed else v < self.hi
+        if not (above and below and _finite(v)):
+            low = f"{'(' if self.open_lo else '['}{self.lo:g}"
+            bound = (f"a finite number {'>' if self.open_lo else '>='} {self.lo:g}"
+                     if self.hi == math.inf else
+                     f"in {low}, {self.hi:g}{']' if self.closed else ')'}")
             raise ValueError(f"invalid {label}: {v!r} (must be {bound})")
         return v
 
@@ -489,17 +494,13 @@ class SGD(Optimizer):
             state["step"] = 0
 
 
-class AdamW(Optimizer):
-    """Adam with decoupled weight decay and bias correction (torch.optim.AdamW)."""
+class _AdamFamily(Optimizer):
+    """Adam's moments and bias corrections, shared by Adam and AdamW, which differ only in
+    how weight decay enters (``_decay``)."""
 
     hyperparameters = {"lr": _Real(1e-3), "betas": _Pair(_Real(0.9, hi=1.0), (0.9, 0.999)),
                        "eps": _Real(1e-8), "weight_decay": _Real(1e-2)}
     state_tensors = ("exp_avg", "exp_avg_sq")
-
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
     dynamic_hyperparameters = ("lr",)
 
     def _init_state(self, p, state, group):
@@ -516,12 +517,63 @@ class AdamW(Optimizer):
         t = state["step"] = state.get("step", 0) + 1
         return {"lr": group["lr"], "bc1": 1.0 - b1 ** t, "bc2": 1.0 - b2 ** t}
 
+    def _decay(self, p, g, group) -> tuple:
+        """(the gradient the moments see, the decoupled decay rate)."""
+        raise NotImplementedError
+
     def _update(self, p, g, state, group):
         (b1, b2) = group["betas"]
         scalars = _step_scalars(functools.partial(self._scalars, p, group))
         self._init_state(p, state, group)
+        g, decoupled = self._decay(p, g, group)
         # One fused op: reads p, g, m, v once and returns the three new values stacked.
         new = adamw_step(p, g, state["exp_avg"], state["exp_avg_sq"], beta1=b1, beta2=b2,
-                         eps=group["eps"], weight_decay=group["weight_decay"], **scalars)
+                         eps=group["eps"], weight_decay=decoupled, **scalars)
         p._assign(new[0])
         state["exp_avg"], state["exp_avg_sq"] = new[1], new[2]
+
+
+class Adam(_AdamFamily):
+    """Adam with bias correction and L2 weight decay (torch.optim.Adam, amsgrad=False).
+
+    The decay is added to the gradient (``g + weight_decay * p``) before the moments, so it is
+    scaled by Adam's per-entry step size like the loss gradient; AdamW decays the parameter
+    directly instead.
+
+    Args:
+        params: an iterable of tensors, or of group dicts ``{"params": ..., "lr": ...}``.
+        lr: learning rate (a compiled step reads it on every call: a scheduler does not
+            recompile).
+        betas: decay rates of the first and second moment, each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: L2 penalty coefficient, >= 0.
+        amsgrad: only False (AMSGrad is not implemented).
+
+    Example:
+        >>> opt = dtensor.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    hyperparameters = {**_AdamFamily.hyperparameters, "weight_decay": _Real(0.0)}
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False):
+        if amsgrad is not False:
+            raise NotImplementedError(f"Adam: amsgrad={amsgrad!r} is not implemented; pass "
+                                      f"amsgrad=False.")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _decay(self, p, g, group):
+        wd = group["weight_decay"]
+        return (g + wd * p if wd else g), 0.0
+
+
+class AdamW(_AdamFamily):
+    """Adam with decoupled weight decay and bias correction (torch.optim.AdamW)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _decay(self, p, g, group):
+        return g, group["weight_decay"]

@@ -245,10 +245,11 @@ def _store(p, arr: np.ndarray) -> None:
 
 
 def _plan(params, where: dict[str, _Entry], nm: NameMap, strict: bool):
-    """Checkpoint name -> parameter for each tensor to read; the unread ones; the missing."""
-    by_path = {path: (key, p) for key, (p, paths) in params.items() for path in paths}
-    plan: dict[str, object] = {}
-    loaded: set[int] = set()
+    """(checkpoint name -> parameter for each tensor to read, checkpoint names that match no
+    parameter, parameter paths with no tensor), after every check a load makes."""
+    by_path = {path: (key, paths.index(path)) for key, (_, paths) in params.items()
+               for path in paths}
+    chosen: dict[int, tuple[int, str]] = {}
     unexpected = []
     for name in where:
         path = _map(nm.to_module, name, "to_module")
@@ -257,11 +258,13 @@ def _plan(params, where: dict[str, _Entry], nm: NameMap, strict: bool):
         if path not in by_path:
             unexpected.append((name, path))
             continue
-        key, p = by_path[path]
-        if key not in loaded:  # a tied parameter is read once, from whichever name comes first
-            loaded.add(key)
-            plan[name] = p
-    missing = [paths for key, (p, paths) in params.items() if key not in loaded]
+        key, order = by_path[path]
+        # A tied parameter is read once: from the name of its first path (the embedding of a
+        # tied head, as Hugging Face's tie_weights), whatever order the files list them in.
+        if key not in chosen or order < chosen[key][0]:
+            chosen[key] = (order, name)
+    plan = {name: params[key][0] for key, (_, name) in chosen.items()}
+    missing = [paths for key, (_, paths) in params.items() if key not in chosen]
     if strict and unexpected:
         lines = [f"{n!r}" + (f" -> {path!r}" if path != n else "") + _near(path, by_path)
                  for n, path in unexpected[:5]]
@@ -274,7 +277,7 @@ def _plan(params, where: dict[str, _Entry], nm: NameMap, strict: bool):
         unread = [n for n in where if n not in plan]
         lines = []
         for paths in missing[:5]:
-            want = nm.to_checkpoint(paths[0]) if nm.to_checkpoint else None
+            want = _map(nm.to_checkpoint, paths[0], "to_checkpoint") if nm.to_checkpoint else None
             lines.append(" / ".join(map(repr, paths))
                          + (f" (checkpoint name {want!r})" if want else "") + _near(
                              want or paths[0], unread))
@@ -402,7 +405,7 @@ def _save_names(params, nm: NameMap) -> list[tuple[str, object]]:
         raise TypeError("save_safetensors needs parameter path -> checkpoint name: pass a dict "
                         "(it is inverted) or NameMap(to_module, to_checkpoint), not a callable "
                         "alone.")
-    out, owner = [], {}
+    out = []
     for key, (p, paths) in params.items():
         names = [(path, _map(nm.to_checkpoint, path, "to_checkpoint")) for path in paths]
         named = [(path, n) for path, n in names if n is not None]
@@ -410,14 +413,11 @@ def _save_names(params, nm: NameMap) -> list[tuple[str, object]]:
             raise HFCheckpointError(f"the name map gives parameter {' / '.join(paths)} no "
                                     f"checkpoint name; add one for it.")
         path, name = named[0]
+        # Two parameters under one name cannot both load back, so this also refuses that.
         back = _map(nm.to_module, name, "to_module")
         if back not in paths:
             raise HFCheckpointError(f"the name map saves {path!r} as {name!r}, which it loads "
                                     f"back as {back!r}: make its two directions agree.")
-        if name in owner:
-            raise HFCheckpointError(f"the name map saves both {owner[name]!r} and {path!r} as "
-                                    f"{name!r}; give each parameter its own name.")
-        owner[name] = path
         out.append((name, p))
     return out
 

@@ -474,3 +474,46 @@ def test_public_names():
                                           "LinearLR", "SequentialLR"]
     assert all(issubclass(c, LRScheduler)
                for c in (LambdaLR, CosineAnnealingLR, LinearLR, SequentialLR))
+
+
+# ---------------------------------------------------------------- several ranks
+@pytest.mark.ranks(2, timeout=60)
+def test_a_schedule_on_sharded_parameters_matches_one_process(rank):
+    """Adam over sharded (uneven) and replicated parameters on 2 ranks, stepped by a warmup +
+    cosine SequentialLR, matches the same run on plain tensors; a T_max that differs between
+    the ranks raises on both at construction."""
+    from dtensor import Replicate, Shard
+    from dtensor.dtensor import distribute_tensor
+    from dtensor.mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rng = np.random.default_rng(3)
+    init = [rng.standard_normal(s) for s in ((3, 4), (5,))]
+    grads = [[rng.standard_normal(a.shape) for a in init] for _ in range(6)]
+    layouts = [[Shard(0)], [Replicate()]]
+
+    def train(params, layout):
+        opt = optim.Adam(params, lr=0.05, weight_decay=0.1)
+        sched = SequentialLR(opt, [LinearLR(opt, 0.2, total_iters=2),
+                                   CosineAnnealingLR(opt, T_max=3, eta_min=0.001)], [2])
+        lrs = []
+        for gs in grads:
+            for p, g, pl in zip(params, gs, layouts):
+                p.grad = layout(dtensor.Tensor(g.copy()), pl)
+            opt.step()
+            sched.step()
+            lrs.append(sched.get_last_lr())
+        return lrs
+
+    sharded = [nn.Parameter(distribute_tensor(dtensor.Tensor(a.copy()), mesh, pl))
+               for a, pl in zip(init, layouts)]
+    plain = [nn.Parameter(a.copy()) for a in init]
+    assert train(sharded, lambda t, pl: distribute_tensor(t, mesh, pl)) == train(
+        plain, lambda t, pl: t)
+    for p, q in zip(sharded, plain):
+        np.testing.assert_allclose(p.full_tensor().numpy(), q.numpy(), rtol=1e-12, atol=1e-15)
+
+    opt = optim.Adam(sharded, lr=0.05)
+    with pytest.raises(ValueError, match=r"CosineAnnealingLR.*Build the scheduler with the same "
+                                         r"arguments on every rank"):
+        CosineAnnealingLR(opt, T_max=4 + rank)

@@ -7,12 +7,13 @@ graph; SGD compiles its lr in, and each new lr recompiles.
 
 As torch: building a scheduler (``last_epoch=-1``) records ``group["initial_lr"]`` and does the
 first step (epoch 0) at once; ``step()`` after each ``optimizer.step()`` moves to the next epoch
-with the same recursive ("chainable") formulas torch uses, so the lrs match torch's to the last
-bit of float64; ``state_dict()`` holds the epoch counters, base and last lrs and the arguments
-(never a callable), as plain JSON values that ``dtensor.checkpoint.save`` can store next to the
-optimizer's state. Unlike torch, bad arguments, an lr a schedule makes invalid (a lambda
-returning NaN) and an optimizer that gained a param group since are errors, raised before
-anything changes.
+with the recursive ("chainable") formulas of torch's get_lr, in its order of operations (the
+lrs drift from the closed forms by rounding as torch's do); ``state_dict()`` holds the epoch
+counters, base and last lrs and the arguments (never a callable), as plain JSON values that
+``dtensor.checkpoint.save`` can store next to the optimizer's state. Unlike torch, bad
+arguments, an lr a schedule makes invalid (a lambda returning NaN) and an optimizer that gained
+a param group since are errors, raised before anything changes; and every rank of a multi-rank
+mesh must build the same schedule (checked once, at construction).
 """
 from __future__ import annotations
 
@@ -115,8 +116,20 @@ class LRScheduler:
             len(groups), "set each group's initial_lr to its starting lr")
         self.last_epoch = last_epoch
         self._initial_step()
+        self._agree()
+
+    def _agree(self) -> None:
+        """Over a multi-rank mesh every rank must build the same schedule: a replicated
+        parameter stepped with another lr on one rank diverges silently. One small allgather
+        of the state (arguments, lrs; a lambda by the lrs it gave), at construction only."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+        if mesh is not None and mesh.size() > 1:
+            mesh.check_same(type(self).__name__, "Build the scheduler with the same arguments "
+                                                 "on every rank.", state=self.state_dict())
 
     def _initial_step(self) -> None:
+        # torch's step counter: kept for its state_dict keys; no formula here reads it.
         self._step_count = 0
         self._advance(initial=True)
 
@@ -409,6 +422,7 @@ class SequentialLR(LRScheduler):
             s.last_epoch -= 1
         self._schedulers[0]._initial_step()
         self._last_lr = self._schedulers[0].get_last_lr()
+        self._agree()
 
     def step(self) -> None:
         epoch = self.last_epoch + 1

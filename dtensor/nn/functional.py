@@ -299,15 +299,19 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
-                                 training: bool = True):
+                                 training: bool = True, enable_gqa: bool = False):
     """softmax(q k^T * scale + mask) v over (..., L, E) x (..., S, E) -> (..., L, Ev).
 
     ``attn_mask`` is boolean (True = may attend) or additive float, broadcastable to (..., L, S).
+    ``enable_gqa``: key and value may have fewer heads (dim -3) than query, a divisor of its
+    count; query head h reads key/value head h // (Hq / Hkv) (grouped-query attention).
     """
     op = "scaled_dot_product_attention"
     query, key, value = (_floating(t, op, n) for t, n in
                          ((query, "query"), (key, "key"), (value, "value")))
     is_causal = as_bool(is_causal, f"{op}: is_causal")
+    if as_bool(enable_gqa, f"{op}: enable_gqa"):
+        key, value = _grouped(query, key, value)
     dropout_p = as_real(dropout_p, f"{op}: dropout_p", low=0, high=1)
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"scaled_dot_product_attention: query dim {query.shape[-1]} != key dim "
@@ -338,3 +342,19 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if dropout_p > 0.0:
         att = dropout(att, dropout_p, training)
     return att @ value
+
+
+def _grouped(query, key, value):
+    """key and value with each head repeated for the query heads of its group."""
+    if query.ndim < 3 or key.ndim < 3 or value.ndim < 3:
+        raise ValueError(f"scaled_dot_product_attention(enable_gqa=True) needs heads at dim -3: "
+                         f"shapes {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)} should be (..., heads, L or S, E).")
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    if hk != hv or hq % hk:
+        raise ValueError(f"scaled_dot_product_attention(enable_gqa=True): key and value need "
+                         f"the same number of heads, a divisor of the query's {hq}; got key "
+                         f"{hk}, value {hv} heads.")
+    if hq == hk:
+        return key, value
+    return (key.repeat_interleave(hq // hk, dim=-3), value.repeat_interleave(hq // hk, dim=-3))

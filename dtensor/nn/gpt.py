@@ -158,24 +158,30 @@ class GPT(Module):
                  top_k: int | None = None) -> np.ndarray:
         """Sample continuations of ``idx`` (B, T); draws come from the counter-based RNG.
         ``temperature`` 0 picks the most likely token."""
-        max_new_tokens = as_int(max_new_tokens, "generate: max_new_tokens", low=0)
-        temperature = as_real(temperature, "generate: temperature", low=0)
-        if top_k is not None:
-            top_k = as_int(top_k, "generate: top_k", low=1, fix="Or None for no cut.")
-        idx = np.asarray(as_tensor(idx).numpy())
-        with no_grad():
-            for _ in range(max_new_tokens):
-                ctx = idx[:, -self.config.block_size:]
-                logits, _ = self(ctx)
-                last = logits[:, -1, :]
-                last = last.full_tensor() if hasattr(last, "full_tensor") else last
-                logits = last.numpy().astype(np.float64) / max(temperature, 1e-8)
-                if top_k is not None:
-                    kth = np.sort(logits, axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]
-                    logits = np.where(logits < kth, -np.inf, logits)
-                p = np.exp(logits - logits.max(-1, keepdims=True))
-                cdf = np.cumsum(p / p.sum(-1, keepdims=True), axis=-1)
-                u = rand(idx.shape[0], 1, dtype=np.float64).numpy()
-                nxt = np.minimum((cdf < u).sum(-1), logits.shape[-1] - 1)
-                idx = np.concatenate([idx, nxt[:, None]], axis=1)
-        return idx
+        return sample(self, idx, max_new_tokens, self.config.block_size, temperature, top_k)
+
+
+def sample(model, idx, max_new_tokens: int, context: int, temperature: float = 1.0,
+           top_k: int | None = None) -> np.ndarray:
+    """Autoregressive sampling from any ``model(idx) -> (logits, _)`` that sees at most
+    ``context`` tokens; draws come from the counter-based RNG, so every layout samples alike."""
+    max_new_tokens = as_int(max_new_tokens, "generate: max_new_tokens", low=0)
+    temperature = as_real(temperature, "generate: temperature", low=0)
+    if top_k is not None:
+        top_k = as_int(top_k, "generate: top_k", low=1, fix="Or None for no cut.")
+    idx = np.asarray(as_tensor(idx).numpy())
+    with no_grad():
+        for _ in range(max_new_tokens):
+            logits, _ = model(idx[:, -context:])
+            last = logits[:, -1, :]
+            last = last.full_tensor() if hasattr(last, "full_tensor") else last
+            logits = last.numpy().astype(np.float64) / max(temperature, 1e-8)
+            if top_k is not None:
+                kth = np.sort(logits, axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]
+                logits = np.where(logits < kth, -np.inf, logits)
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            cdf = np.cumsum(p / p.sum(-1, keepdims=True), axis=-1)
+            u = rand(idx.shape[0], 1, dtype=np.float64).numpy()
+            nxt = np.minimum((cdf < u).sum(-1), logits.shape[-1] - 1)
+            idx = np.concatenate([idx, nxt[:, None]], axis=1)
+    return idx

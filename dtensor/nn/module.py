@@ -331,3 +331,54 @@ class Sequential(ModuleList):
         for m in self:
             x = m(x)
         return x
+
+
+class ModuleDict(Module):
+    """Modules by name, in insertion order (a dict's interface); torchtitan keeps its layers in
+    one, keyed "0", "1", ..."""
+
+    def __init__(self, modules=None):
+        super().__init__()
+        if modules is not None:
+            self.update(modules)
+
+    def __setitem__(self, key: str, m: Module) -> None:
+        if not isinstance(key, str):
+            raise TypeError(f"ModuleDict keys are strings, got {key!r} (type "
+                            f"{type(key).__name__}).")
+        if not isinstance(m, Module):
+            raise TypeError(f"ModuleDict holds Modules; entry {key!r} is {m!r} (type "
+                            f"{type(m).__name__}).")
+        self.add_module(key, m)
+
+    def __getitem__(self, key: str) -> Module:
+        if key not in self._modules:
+            raise KeyError(f"ModuleDict has no entry {key!r}; its keys are "
+                           f"{list(self._modules)}.")
+        return self._modules[key]
+
+    def __delitem__(self, key: str) -> None:
+        self[key]  # noqa: B018 (the KeyError names the keys)
+        del self._modules[key]
+
+    def update(self, modules) -> None:
+        for key, m in (modules.items() if hasattr(modules, "items") else modules):
+            self[key] = m
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules)
+
+    def __contains__(self, key) -> bool:
+        return key in self._modules
+
+    def keys(self):
+        return self._modules.keys()
+
+    def values(self):
+        return self._modules.values()
+
+    def items(self):
+        return self._modules.items()

@@ -1,0 +1,150 @@
+"""dtensor.nn.Llama against the independent numpy reference (tests/numpy_llama.py): a checkpoint
+written here with safetensors in Hugging Face's names, loaded with Llama.from_pretrained; values,
+gradients, an 8-step AdamW loss curve, and every parallel layout against the one-process run."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import dtensor
+import numpy_llama as ref
+from dtensor import DTensor
+from dtensor.nn import Llama, LlamaConfig
+from dtensor.nn.hf import HFCheckpointError
+
+# Two shapes: multi-head with an untied head, and grouped-query (2 kv heads for 4 query heads,
+# the tp 4 > n_kv_heads case) with a tied head and head_dim != dim / n_heads.
+HF = {
+    "mha": dict(vocab_size=20, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5,
+                rope_theta=10000.0, max_position_embeddings=16, tie_word_embeddings=False,
+                hidden_act="silu", model_type="llama", architectures=["LlamaForCausalLM"],
+                torch_dtype="float32", attention_bias=False, mlp_bias=False, rope_scaling=None),
+    "gqa": dict(vocab_size=24, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6,
+                rope_theta=500000.0, max_position_embeddings=16, tie_word_embeddings=True,
+                hidden_act="silu", model_type="llama", bos_token_id=1, eos_token_id=2,
+                initializer_range=0.02, use_cache=True, transformers_version="4.46.0"),
+}
+
+
+def _checkpoint(tmp_path, kind, seed=0, **extra):
+    cfg = dict(HF[kind], **extra)
+    params = ref.random_params(cfg, seed, std=0.3)
+    folder = tmp_path / kind
+    folder.mkdir(exist_ok=True)
+    save_file(params, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder, cfg, params
+
+
+def _batches(cfg, n=2, B=4, T=8, seed=1):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, cfg["vocab_size"], (B, T)),
+             rng.integers(0, cfg["vocab_size"], (B, T))) for _ in range(n)]
+
+
+def _whole(t):
+    return t.full_tensor().numpy() if isinstance(t, DTensor) else t.numpy()
+
+
+@pytest.mark.parametrize("kind", sorted(HF))
+def test_logits_match_the_reference(tmp_path, kind):
+    folder, cfg, params = _checkpoint(tmp_path, kind)
+    model = Llama.from_pretrained(folder)
+    idx, tgt = _batches(cfg)[0]
+    logits, loss = model(idx, tgt)
+    want = ref.forward({k: v.astype(np.float64) for k, v in params.items()}, idx, cfg)
+    # float32 through 2 layers of O(1) activations: a few ulps of the largest logit per op.
+    np.testing.assert_allclose(logits.numpy(), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    assert abs(loss.item() - ref.loss(params, idx, tgt, cfg)) < 1e-5
+
+
+@pytest.mark.parametrize("kind", sorted(HF))
+def test_gradients_match_finite_differences(tmp_path, kind):
+    folder, cfg, params = _checkpoint(tmp_path, kind)
+    model = Llama.from_pretrained(folder)
+    idx, tgt = _batches(cfg)[0]
+    model(idx, tgt)[1].backward()
+    P = {k: v.astype(np.float64) for k, v in params.items()}
+    ours = dict(model.named_parameters())
+    for name in P:
+        path = name.removeprefix("model.")
+        g = ours[path].grad.numpy()
+        fd = ref._fd_grad(P, name, idx, tgt, cfg)
+        # float32 backward vs float64 central differences: relative to the gradient's scale.
+        np.testing.assert_allclose(g, fd, rtol=0, atol=1e-4 * max(np.abs(fd).max(), 1e-3),
+                                   err_msg=name)
+
+
+def _adamw_losses(model, batches, steps=8, lr=3e-3, layout=None):
+    opt = dtensor.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    losses = []
+    for t in range(steps):
+        idx, tgt = batches[t % len(batches)]
+        _, loss = model(idx, tgt)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses
+
+
+@pytest.mark.parametrize("kind", sorted(HF))
+def test_adamw_curve_matches_the_independent_one(tmp_path, kind):
+    folder, cfg, params = _checkpoint(tmp_path, kind)
+    batches = _batches(cfg)
+    want = ref.adamw_losses(params, batches, cfg, lr=3e-3, steps=8)
+    got = _adamw_losses(Llama.from_pretrained(folder), batches)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_save_pretrained_round_trips(tmp_path):
+    folder, cfg, params = _checkpoint(tmp_path, "gqa")
+    model = Llama.from_pretrained(folder)
+    model.save_pretrained(tmp_path / "out")
+    again = Llama.from_pretrained(tmp_path / "out")
+    for (n, p), (m, q) in zip(model.named_parameters(), again.named_parameters()):
+        assert n == m and np.array_equal(p.numpy(), q.numpy())
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert LlamaConfig.from_hf(written) == model.config
+    # tied: the head is the embedding, saved once under Hugging Face's name
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "np") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(hidden_act="gelu"), ValueError, "hidden_act='gelu'"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), ValueError, "rope_scaling"),
+    (dict(attention_bias=True), ValueError, "attention_bias"),
+    (dict(sliding_window=4096), ValueError, "sliding_window"),
+    (dict(model_type="mistral"), ValueError, "model_type"),
+    (dict(num_key_value_heads=3), ValueError, "n_kv_heads=3"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), ValueError, "rope_parameters"),
+])
+def test_unsupported_config_fields_are_named(tmp_path, change, error, words):
+    folder, _, _ = _checkpoint(tmp_path, "mha")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(change)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(error, match=words.replace("(", r"\(").replace("[", r"\[")):
+        Llama.from_pretrained(folder)
+
+
+def test_checkpoint_mismatches_are_named(tmp_path):
+    folder, cfg, params = _checkpoint(tmp_path, "mha")
+    bad = dict(params)
+    bad["model.layers.0.mlp.gate_proj.weight"] = bad["model.layers.0.mlp.gate_proj.weight"][:5]
+    save_file(bad, str(folder / "model.safetensors"))
+    with pytest.raises(HFCheckpointError, match="gate_proj"):
+        Llama.from_pretrained(folder)
+    del bad["model.layers.0.mlp.gate_proj.weight"]
+    save_file(bad, str(folder / "model.safetensors"))
+    with pytest.raises(HFCheckpointError, match="gate_proj"):
+        Llama.from_pretrained(folder)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Llama.from_pretrained(tmp_path / "nowhere")

@@ -587,7 +587,14 @@ def _distribute(t: Tensor, device_mesh: DeviceMesh, placements: tuple[Placement,
     arr = t.data
     if src_data_rank is not None and device_mesh.size() > 1:
         from dtensor.comm import get_world
-        arr = get_world().broadcast(arr, src=src_data_rank)
+        if arr.size > 1 and not any(arr.strides):
+            # One value broadcast to a shape (a placeholder of nn.init.empty_parameters): send
+            # the value, so no rank ever allocates the whole tensor.
+            one = get_world().broadcast(np.ascontiguousarray(arr.reshape(-1)[:1]),
+                                        src=src_data_rank)
+            arr = np.broadcast_to(one.reshape(()), arr.shape)
+        else:
+            arr = get_world().broadcast(arr, src=src_data_rank)
     spec = DTensorSpec(device_mesh, tuple(Replicate() for _ in placements), tuple(t.shape),
                        arr.dtype)
     local = redistribute_local(arr, spec, placements)

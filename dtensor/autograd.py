@@ -6,12 +6,69 @@ backward of a DTensor program is a DTensor program and the backward of a traced 
 """
 from __future__ import annotations
 
+import threading
+import weakref
+
 from dtensor._flag import Flag
 
-__all__ = ["no_grad", "enable_grad", "is_grad_enabled", "backward", "grad"]
+__all__ = ["no_grad", "enable_grad", "is_grad_enabled", "backward", "grad", "Deferred",
+           "queue_callback", "refill_before_backward"]
 
 
 _state = Flag(True)  # whether ops record for autograd, per thread
+
+
+class Deferred:
+    """A gradient a vjp hands back before it is computed (data parallelism's bucketed
+    all-reduce: a bucket is reduced only once its last gradient has arrived). The engine keeps
+    it until the end of the backward, after the callbacks queued during it, then calls
+    ``wait()`` for the tensor it stands for; only a leaf may receive one."""
+
+    __slots__ = ("wait",)
+
+    def __init__(self, wait):
+        self.wait = wait
+
+
+
+def _resolved(g):
+    return g.wait() if isinstance(g, Deferred) else g
+
+
+class _Backward(threading.local):
+    callbacks: list | None = None  # the running backward's queue; None outside one
+
+
+_backward = _Backward()
+
+
+def queue_callback(fn) -> None:
+    """Run ``fn()`` once the running backward has computed every gradient, before it hands
+    deferred gradients to their leaves and returns (PyTorch's ``queue_callback``)."""
+    if _backward.callbacks is None:
+        raise RuntimeError("queue_callback() is for code that runs inside a backward (a vjp); "
+                           "no backward is running on this thread.")
+    _backward.callbacks.append(fn)
+
+
+# id(tensor) -> (weak reference, fill): tensors whose data was freed after the forward and
+# must be computed again before a vjp reads them (FSDP's reshard after forward).
+_refills: dict = {}
+
+
+def refill_before_backward(t, fill) -> None:
+    """Call ``fill()`` before the first vjp that takes ``t`` as an input, once: the caller freed
+    ``t``'s data after the forward and ``fill`` restores it (FSDP gathers a parameter again)."""
+    key = id(t)
+    _refills[key] = (weakref.ref(t, lambda _, k=key: _refills.pop(k, None)), fill)
+
+
+def _refill(inputs) -> None:
+    for x in inputs:
+        entry = _refills.get(id(x))
+        if entry is not None and entry[0]() is x:
+            del _refills[id(x)]
+            entry[1]()
 
 
 class Node:
@@ -80,35 +137,63 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
     # Gradients already stored in a .grad, and the caller's own: a leaf reached by one of them
     # gets a copy.
     taken: set = {id(grad)}
-    with no_grad():
-        for t in _topo_order(root):
-            g = grads.pop(id(t), None)
-            if g is None:
+    outer, _backward.callbacks = _backward.callbacks, []
+    late = []  # (leaf, Deferred gradient)
+    try:
+        with no_grad():
+            _walk(root, grads, retain_graph, accumulate_into_leaves, wanted_ids, found, taken,
+                  late)
+            while _backward.callbacks:
+                _backward.callbacks.pop(0)()
+            for t, g in late:
+                _accumulate(t, g.wait(), taken)
+    finally:
+        _backward.callbacks = outer
+    return {k: _resolved(g) for k, g in found.items()}
+
+
+def _accumulate(t, g, taken: set) -> None:
+    g = g._as_grad_of(t)
+    t.grad = g._owned(taken) if t.grad is None else t.grad + g
+
+
+def _walk(root, grads, retain_graph, accumulate_into_leaves, wanted_ids, found, taken, late):
+    for t in _topo_order(root):
+        g = grads.pop(id(t), None)
+        if g is None:
+            continue
+        if id(t) in wanted_ids:
+            found[id(t)] = g
+        node = t._node
+        if node is None:
+            if accumulate_into_leaves:
+                if isinstance(g, Deferred):
+                    late.append((t, g))
+                else:
+                    _accumulate(t, g, taken)
+            continue
+        inputs = node.inputs
+        if _refills:
+            _refill(inputs)
+        gins = node.op.vjp(_resolved(g), t, *inputs, **node.params)
+        for x, gx in zip(inputs, gins):
+            if gx is None or not getattr(x, "requires_grad", False):
                 continue
-            if id(t) in wanted_ids:
-                found[id(t)] = g
-            node = t._node
-            if node is None:
-                if accumulate_into_leaves:
-                    g = g._as_grad_of(t)
-                    t.grad = g._owned(taken) if t.grad is None else t.grad + g
-                continue
-            inputs = node.inputs
-            gins = node.op.vjp(g, t, *inputs, **node.params)
-            for x, gx in zip(inputs, gins):
-                if gx is None or not getattr(x, "requires_grad", False):
-                    continue
-                if callable(gx):
-                    gx = gx()
-                if gx.dtype != x.dtype:
-                    # As in PyTorch: a gradient has its input's dtype. Type promotion (a float32
-                    # weight times a float64 tensor) must not hand float64 gradients back.
-                    gx = gx.astype(x.dtype)
-                prev = grads.get(id(x))
-                grads[id(x)] = gx if prev is None else prev + gx
-            if not retain_graph:
-                node.inputs = None
-    return found
+            if callable(gx):
+                gx = gx()
+            if not isinstance(gx, Deferred) and gx.dtype != x.dtype:
+                # As in PyTorch: a gradient has its input's dtype. Type promotion (a float32
+                # weight times a float64 tensor) must not hand float64 gradients back.
+                gx = gx.astype(x.dtype)
+            prev = grads.get(id(x))
+            if prev is None:
+                grads[id(x)] = gx
+            elif isinstance(prev, Deferred) or isinstance(gx, Deferred):
+                grads[id(x)] = Deferred(lambda a=prev, b=gx: _resolved(a) + _resolved(b))
+            else:
+                grads[id(x)] = prev + gx
+        if not retain_graph:
+            node.inputs = None
 
 
 def _seed_grad(root, gradient):

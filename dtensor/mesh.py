@@ -118,6 +118,10 @@ class DeviceMesh:
         self._hash = hash(self._ident)
         where = np.argwhere(arr == self._rank)
         self._coord = [int(c) for c in where[0]] if len(where) else None
+        # The mesh this one was sliced from and the dims it keeps (itself and all of its dims
+        # for a mesh built whole): FSDP over mesh["dp"] finds a parameter on mesh["tp"] a
+        # sibling, and stores it on the parent over both dims.
+        self._root: tuple[DeviceMesh, tuple[int, ...]] = (self, tuple(range(arr.ndim)))
 
     def check_same(self, what: str, fix: str = "", *, error: BaseException | None = None,
                    **fields) -> None:
@@ -205,8 +209,11 @@ class DeviceMesh:
         kept = [d for d in range(self.ndim) if d in dims]
         sub = np.transpose(self.mesh[index], [kept.index(d) for d in dims])
         names = tuple(self.mesh_dim_names[d] for d in dims) if self.mesh_dim_names else None
-        return DeviceMesh(self.device_type, sub, mesh_dim_names=names,
-                          _comms=tuple(self._comms[d] for d in dims))
+        out = DeviceMesh(self.device_type, sub, mesh_dim_names=names,
+                         _comms=tuple(self._comms[d] for d in dims))
+        root, kept_dims = self._root
+        out._root = (root, tuple(kept_dims[d] for d in dims))
+        return out
 
     # -- value semantics (specs compare meshes)
     def __eq__(self, other) -> bool:

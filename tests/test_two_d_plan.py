@@ -174,19 +174,24 @@ def test_redistribute_to_partial_is_the_same_value_and_differentiable(src, op, r
         y.redistribute(mesh, [Partial("max" if op != "max" else "sum")])
 
 
+@pytest.mark.parametrize("cap_mb,buckets", [(25, [1748]), (600 / 2 ** 20, [596, 1152])],
+                         ids=["one-bucket", "two-buckets"])
 @pytest.mark.ranks(2, timeout=120)
-def test_replicate_sums_each_gradient_once_and_moves_nothing_forward(rank):
-    # DDP's traffic: one all-reduce per parameter in the backward, of the parameter's size;
-    # the forward only slices the batch (the loss is reduced when it is read).
+def test_replicate_sums_gradients_in_buckets_and_moves_nothing_forward(cap_mb, buckets, rank):
+    # DDP's traffic: one all-reduce per bucket in the backward (it was one per parameter before
+    # bucketing), of the bucket's bytes; the forward only slices the batch (the loss is reduced
+    # when it is read). Buckets take the parameters in reverse order up to the cap: Scorer's
+    # squeeze.bias, squeeze.weight, expand.bias (20 + 480 + 96 bytes) fit 600 bytes, and
+    # expand.weight (1152) goes alone; 25 MiB holds all four.
     from dtensor.comm import count_collectives
     mesh = dtensor.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    model = replicate(Scorer(), mesh)
+    model = replicate(Scorer(), mesh=mesh, bucket_cap_mb=cap_mb)
     x, y = _batch("scorer", np.random.default_rng(0))
     with count_collectives() as fwd:
         _, loss = model(x, y)
     with count_collectives() as bwd:
         loss.backward()
     assert fwd.summary() == {}
-    sizes = sum(p.numel() * 4 for p in model.parameters())
-    assert {k: n for k, (n, _) in bwd.summary().items()} == {"all_reduce": 4}
-    assert bwd.summary()["all_reduce"][1] == sizes
+    # (each starts when its last gradient arrives, in the engine's order, not the buckets')
+    assert sorted((e.kind, e.bytes) for e in bwd.events) == [("all_reduce", b) for b in buckets]
+    assert sum(buckets) == sum(p.numel() * 4 for p in model.parameters())

@@ -8,20 +8,17 @@ from fnmatch import fnmatchcase
 
 import numpy as np
 
-from dtensor import autograd
-# _redistribute: FSDP's gathers are layouts the framework derived itself (no agreement check).
-from dtensor.dtensor import (DTensor, DTensorSpec, _agreed, _from_local, _redistribute,
-                             distribute_tensor, implicit_replication)
+from dtensor.dtensor import DTensor, distribute_tensor, implicit_replication
 from dtensor.mesh import DeviceMesh
 from dtensor.nn.module import Module
-from dtensor.ops.registry import Op
+from dtensor.parallel.data_parallel import (_agree, _check_targets, _params_text,
+                                            _ShardedParams, replicate)
 from dtensor.parallel.loss import loss_parallel as _loss_parallel
 from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                     PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                     distribute_param, wrap_forward)
-from dtensor.placements import Partial, Replicate, Shard
-from dtensor.redistribute import redistribute_local
-from dtensor.tensor import Tensor, TensorMethods
+from dtensor.placements import Replicate, Shard
+from dtensor.tensor import TensorMethods
 from dtensor.validate import as_bool
 
 __all__ = ["parallelize_module", "parallelize", "replicate"]
@@ -46,27 +43,6 @@ def _tp_dim(mesh: DeviceMesh, tp_dim) -> int:
         raise ValueError(f"on a 2-D mesh {mesh._dims_text()} say which dim is tensor-parallel: "
                          f"name it 'tp' (mesh_dim_names=('dp', 'tp')) or pass tp_dim=.")
     return mesh._dim("tp")
-
-
-def _check_targets(what: str, module, mesh) -> None:
-    if not isinstance(module, Module):
-        raise TypeError(f"{what}: the model must be a dtensor.nn.Module, got {module!r} (type "
-                        f"{type(module).__name__}).")
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"{what}: the mesh must be a DeviceMesh (init_device_mesh('cpu', "
-                        f"shape, mesh_dim_names=...)), got {mesh!r} (type {type(mesh).__name__}).")
-
-
-def _agree(mesh: DeviceMesh, what: str, check, **fields):
-    """``check()`` (this rank's validation; returns what it checked), agreed over the mesh: a
-    rank whose arguments or model differ, or whose check failed, makes every rank raise the
-    same error, before any collective that would otherwise hang or mix layouts."""
-    return _agreed(mesh, what, check, "Build the same model and call this with the same "
-                   "arguments on every rank.", **fields)
-
-
-def _params_text(module: Module) -> list:
-    return [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
 
 
 def _matches(pattern: str, path: str) -> bool:
@@ -230,25 +206,22 @@ def _fsdp_dim(p: DTensor, tp: int | None) -> int:
 
 
 def _shard_params_fsdp(model: Module, mesh: DeviceMesh, dp: int, tp: int | None) -> None:
-    """Store every parameter Shard(k) over "dp"; gather it (a differentiable redistribute, so
-    the backward reduce-scatters the gradient) for the duration of its module's forward."""
+    """Store every parameter Shard(k) over "dp" on the model's own mesh; each module with
+    parameters gathers its own for its forward (fully_shard's mechanism, without its batch
+    handling: parallelize lays the batch out itself)."""
     for _, m in model.named_modules():
-        names = [n for n, p in m._parameters.items() if p is not None]
-        if not names:
+        owners = [(m, n, p) for n, p in m._parameters.items() if p is not None]
+        if not owners:
             continue
-        for n in names:  # parallelize() made every parameter a DTensor already
-            distribute_param(m, n, mesh, dp, Shard(_fsdp_dim(m._parameters[n], tp)))
+        for _, n, p in owners:  # parallelize() made every parameter a DTensor already
+            distribute_param(m, n, mesh, dp, Shard(_fsdp_dim(p, tp)))
+        owners = [(m, n, m._parameters[n]) for _, n, _ in owners]
+        group = _ShardedParams(owners, {id(p): dp for _, _, p in owners},
+                               {id(p): None for _, _, p in owners})
 
-        def around(inner, *args, _m=m, _names=tuple(names), **kwargs):
-            stored = {n: _m._parameters[n] for n in _names}
-            for n, p in stored.items():
-                gathered = list(p.placements)
-                gathered[dp] = Replicate()
-                _m._parameters[n] = _redistribute(p, gathered, boundary=True)
-            try:
+        def around(inner, *args, _group=group, **kwargs):
+            with _group.gathered(reshard=False):
                 return inner(*args, **kwargs)
-            finally:
-                _m._parameters.update(stored)
 
         wrap_forward(m, around)
 
@@ -378,138 +351,3 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
     if os.environ.get("DTENSOR_DEBUG", "0") not in ("", "0") and mesh.get_rank() == 0:
         print(_describe(model, plan, mesh, fsdp), flush=True)
     return model
-
-
-# ----------------------------------------------------------------------------- replicate
-
-
-def _summed(g, mesh: DeviceMesh):
-    """``g``'s block summed over the data-parallel ranks: each rank's block is one partial of
-    a Partial(sum) value on ``mesh``, made whole by the redistribute table (so a compiled step
-    traces it as a collective like any other)."""
-    local = g._loc() if isinstance(g, DTensor) else g.data
-    spec = DTensorSpec(mesh, (Partial(),), tuple(local.shape), np.dtype(local.dtype))
-    whole = redistribute_local(local, spec, (Replicate(),))
-    return DTensor._make(whole, g._spec) if isinstance(g, DTensor) else Tensor._wrap(whole)
-
-
-# Identity forward; the backward sums the gradient over the data-parallel ranks (DDP's
-# all-reduce, per parameter, as an autograd node, so it runs wherever the backward does).
-_DP_GRAD_SUM = Op("dp_grad_sum", impl=None, abstract=None, linearity="all", lower="collective",
-                  vjp=lambda g, out, x, mesh: (_summed(g, mesh),))
-
-
-def _grad_summed(p, mesh: DeviceMesh):
-    out = DTensor._make(p._loc(), p._spec) if isinstance(p, DTensor) else Tensor._wrap(p.data)
-    if autograd.is_grad_enabled() and p.requires_grad:
-        autograd.record(_DP_GRAD_SUM, (p,), {"mesh": mesh}, out)
-    return out
-
-
-def _check_rows(batch: dict, mesh: DeviceMesh) -> None:
-    """Each rank takes batch / n whole rows of every batch input (the loss averages over equal
-    shares); a DTensor input must live on the data-parallel mesh."""
-    n = mesh.size()
-    for name, x in batch.items():
-        if isinstance(x, DTensor) and x.device_mesh != mesh:
-            raise ValueError(f"replicate: {name} is a DTensor on {x.device_mesh}, not on the "
-                             f"data-parallel mesh {mesh}; pass the global batch as an array or "
-                             f"DTensor.from_local(rows, mesh['dp'], [Shard(0)]).")
-        rows = x.shape[0] if len(x.shape) else None
-        if rows is not None and rows % n:
-            raise ValueError(
-                f"replicate: {name} of shape {tuple(x.shape)} has batch size {rows}, which the "
-                f"{n} data-parallel ranks of {mesh._dims_text()} cannot split evenly (each "
-                f"takes batch / {n} rows, and the loss averages over equal shares). Use a batch "
-                f"size that is a multiple of {n}, e.g. {max(n, rows - rows % n)}.")
-
-
-def _local_rows(x, mesh: DeviceMesh):
-    """This rank's rows of a checked batch input: a plain array is the global batch; a DTensor
-    (``DTensor.from_local(rows, mesh, [Shard(0)])``) is laid out as Shard(0)."""
-    if isinstance(x, DTensor):
-        return _redistribute(x, (Shard(0),)).to_local() if x.ndim else x.full_tensor()
-    if not len(x.shape):
-        return x
-    k = x.shape[0] // mesh.size()
-    r = mesh.get_local_rank()
-    return x[r * k:(r + 1) * k]
-
-
-def replicate(module: Module, device_mesh: DeviceMesh) -> Module:
-    """Data parallelism over a 1-D mesh, PyTorch's composable ``replicate`` (DDP): every rank
-    holds the whole model (or its tensor-parallel shard, after ``parallelize_module`` on the
-    other mesh dim) and computes on its share of the batch; each parameter's gradient is summed
-    over the mesh as the backward reaches it.
-
-    Inputs: a plain array is the global batch (each rank takes batch / n rows); a DTensor on
-    ``device_mesh`` gives each rank its Shard(0) rows. Outputs come back as DTensors on
-    ``device_mesh``: a 0-d output is taken for a loss averaged over the rank's rows, so it comes
-    back as the global average (Partial over the ranks: ``.item()`` reads the one-process value,
-    ``.backward()`` gives the one-process gradients); an output with a row per input row is
-    Shard(0); anything else stays this rank's own.
-
-    Example (under ``dtlaunch --nproc 4``):
-        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        >>> parallelize_module(model, mesh["tp"], plan)
-        >>> model = replicate(model, mesh["dp"])
-        >>> logits, loss = model(idx, targets)      # the global batch
-    """
-    _check_targets("replicate", module, device_mesh)
-
-    def check():
-        if device_mesh.ndim != 1:
-            raise ValueError(f"replicate takes a 1-D data-parallel mesh, got "
-                             f"{device_mesh._dims_text()}; pass mesh['dp'].")
-
-    _agree(device_mesh, "replicate", check, params=_params_text(module))
-    if device_mesh.size() == 1:
-        return module
-
-    def around(inner, *args, **kwargs):
-        batch = {f"argument {i}": a for i, a in enumerate(args) if _batch(a)}
-        batch.update((f"argument {k!r}", v) for k, v in kwargs.items() if _batch(v))
-        # One agreement per forward, as parallelize's: the outputs' layouts follow from it.
-        _agree(device_mesh, "replicate: the model's forward",
-               lambda: _check_rows(batch, device_mesh),
-               batch=[(k, tuple(v.shape), str(v.dtype)) for k, v in batch.items()])
-        args = tuple(_local_rows(a, device_mesh) if _batch(a) else a for a in args)
-        kwargs = {k: _local_rows(v, device_mesh) if _batch(v) else v for k, v in kwargs.items()}
-        rows = next((a.shape[0] for a in (*args, *kwargs.values()) if _batch(a) and a.ndim),
-                    None)
-        owners = [(m, name, p) for m in module.modules()
-                  for name, p in m._parameters.items() if p is not None]
-        stored = {(id(m), name): p for m, name, p in owners}
-        summed = {id(p): _grad_summed(p, device_mesh) for _, _, p in owners}
-        for m, name, p in owners:
-            m._parameters[name] = summed[id(p)]  # a tied parameter: one node, one all-reduce
-        try:
-            out = inner(*args, **kwargs)
-        finally:
-            for m, name, _ in owners:
-                m._parameters[name] = stored[(id(m), name)]
-        return _dp_outputs(out, device_mesh, rows)
-
-    wrap_forward(module, around)
-    return module
-
-
-def _batch(x) -> bool:
-    return isinstance(x, (DTensor, TensorMethods, np.ndarray))
-
-
-def _dp_outputs(out, mesh: DeviceMesh, rows):
-    if isinstance(out, (tuple, list)):
-        return type(out)(_dp_outputs(o, mesh, rows) for o in out)
-    if not isinstance(out, TensorMethods):
-        return out
-    if isinstance(out, DTensor):  # the tensor-parallel model's own output: whole on this rank
-        out = out.full_tensor()
-    dtype = np.dtype(out.dtype)
-    if out.ndim == 0 and dtype.kind == "f":
-        share = out * (1.0 / mesh.size())
-        return _from_local(share, share.data, DTensorSpec(mesh, (Partial(),), (), dtype))
-    if out.ndim and rows is not None and out.shape[0] == rows:
-        shape = (rows * mesh.size(),) + tuple(out.shape[1:])
-        return _from_local(out, out.data, DTensorSpec(mesh, (Shard(0),), shape, dtype))
-    return out

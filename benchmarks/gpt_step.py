@@ -1,4 +1,5 @@
-"""One training step of the standard GPT workload: eager or compiled, one process or parallelized.
+"""One training step of the standard GPT (or Llama) workload: eager or compiled, one process or
+parallelized.
 
 Prints one JSON line (rank 0): median/min/max step seconds over --steps steps after --warmup,
 tokens/s, achieved GFLOP/s (27.41 GFLOP per step for the standard workload, counted as in the
@@ -10,7 +11,9 @@ median reference; under dtlaunch every rank times the reference at once and the 
 summed: the machine's GEMM rate). Under
 dtlaunch the model goes through dtensor.parallel.parallelize on a (dp, tp) mesh, and the line
 also gives the collectives per step (count and bytes by kind, from the debug counter) next to
-Megatron-LM's figures for the same layout (``megatron_bytes``, ``bytes_ratio``). With --compile
+Megatron-LM's figures for the same layout (``megatron_bytes``, ``megatron_counts``,
+``bytes_ratio``). ``--model llama`` runs the same step on a Llama of the same width (SwiGLU
+hidden 688, ``--kv-heads`` key/value heads, RMSNorm, rotary positions). With --compile
 the step runs through dtensor.compile (``--backend``: numpy, c or triton; ``compile_s``:
 tracing, passes, codegen and the C compiler's run if its library was not cached, summed over
 its graphs), and an eager twin of the model steps after each compiled step: ``speedup_vs_eager``
@@ -21,6 +24,7 @@ is the median over steps of eager / compiled time.
     dtlaunch --nproc 1 benchmarks/gpt_step.py --compile --backend c  # as fast as plain python
     dtlaunch --nproc 2 benchmarks/gpt_step.py --tp 2
     dtlaunch --nproc 4 benchmarks/gpt_step.py --tp 2 --dp 2 --sp [--fsdp]
+    dtlaunch --nproc 2 benchmarks/gpt_step.py --model llama --tp 2 [--compile]
 """
 from __future__ import annotations
 
@@ -38,12 +42,15 @@ import numpy as np
 import dtensor
 
 
-def step_flops(cfg, batch: int, seq: int) -> float:
-    """6 x non-embedding params x tokens + 12 x n_layer x C x T x tokens (attention)."""
-    C, L, H, V = cfg.n_embd, cfg.n_layer, cfg.mlp_hidden, cfg.vocab_size
-    non_embedding = L * (4 * C * C + 2 * C * H + 4 * C) + 2 * C + V * C
+def step_flops(model, batch: int, seq: int) -> float:
+    """6 x non-embedding params x tokens + 12 x n_layer x C x T x tokens (attention), C the
+    attention width (heads x head size). For the standard GPT: 27.41 GFLOP."""
+    c = model.config
+    layers = c.n_layer if hasattr(c, "n_layer") else c.n_layers
+    width = c.n_embd if hasattr(c, "n_embd") else c.n_heads * c.head_dim
     tokens = batch * seq
-    return 6.0 * non_embedding * tokens + 12.0 * L * C * seq * tokens
+    return 6.0 * model.num_params(non_embedding=True) * tokens + 12.0 * layers * width * seq * \
+        tokens
 
 
 def numpy_matmul_gflops(reps: int = 5) -> float:
@@ -61,28 +68,35 @@ def numpy_matmul_gflops(reps: int = 5) -> float:
     return 2 * 1024 * 256 * 4096 / statistics.median(times) / 1e9
 
 
-def megatron_bytes(cfg, batch: int, seq: int, tp: int, dp: int, sp: bool, fsdp: bool,
-                   param_bytes: int) -> dict:
-    """Megatron-LM's collective bytes per rank per step for this layout, in the debug counter's
-    convention (all_reduce and reduce_scatter: input bytes; all_gather: gathered bytes).
+def megatron_traffic(n_layer: int, width: int, sp_grads: int, batch: int, seq: int, tp: int,
+                     dp: int, sp: bool, fsdp: bool, param_bytes: int):
+    """Megatron-LM's collectives per rank per step for this layout: (bytes, counts) by kind, in
+    the debug counter's convention (all_reduce and reduce_scatter: input bytes; all_gather:
+    gathered bytes), one collective per tensor (no bucketing).
 
-    ``param_bytes``: this rank's parameter bytes when whole over "dp" (its "tp" shards).
+    ``sp_grads``: elements of the replicated parameters whose gradients come from sequence
+    shards under sequence parallelism (norm weights and biases, a position embedding), each
+    all-reduced; ``param_bytes``: this rank's parameter bytes when whole over "dp" (its "tp"
+    shards); ``width``: the residual stream's.
     """
-    L, C, item = cfg.n_layer, cfg.n_embd, 4
+    L, C, item = n_layer, width, 4
     act = batch // dp * seq * C * item  # one (B/dp, T, C) activation
     tok = batch // dp * seq * item  # one number per token
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    n = dict.fromkeys(out, 0)
     if tp > 1:
         if sp:  # per block 2 all-gathers + 2 reduce-scatters forward and backward, plus the
             # embedding (reduce-scatter / all-gather) and lm_head (all-gather / reduce-scatter)
             out["all_gather"] += 2 * (2 * L + 1) * act
             out["reduce_scatter"] += 2 * (2 * L + 1) * act
-            # gradients of replicated parameters computed from sequence shards: LayerNorms
-            # (Megatron's sequence-parallel grad all-reduce) and the position embedding
-            out["all_reduce"] += ((2 * L + 1) * 2 * C + seq * C) * item
+            n["all_gather"] += 2 * (2 * L + 1)
+            n["reduce_scatter"] += 2 * (2 * L + 1)
+            out["all_reduce"] += sp_grads * item
         else:  # per block 2 all-reduces forward + 2 backward; embedding forward; lm_head backward
             out["all_reduce"] += (4 * L + 2) * act
+            n["all_reduce"] += 4 * L + 2
         out["all_reduce"] += 3 * tok  # vocab-parallel cross-entropy: max, sum-exp, target logit
+        n["all_reduce"] += 3
     if dp > 1:
         if fsdp:  # gather every parameter forward, reduce-scatter its gradient
             out["all_gather"] += param_bytes
@@ -90,11 +104,32 @@ def megatron_bytes(cfg, batch: int, seq: int, tp: int, dp: int, sp: bool, fsdp: 
         else:  # all-reduce every gradient
             out["all_reduce"] += param_bytes
         out["all_reduce"] += 2 * item  # the token count of the mean, the loss for logging
-    return out
+    return out, n
+
+
+def _model(args):
+    """The workload's config: the standard GPT, or a Llama of the same width and depth."""
+    if args.model == "gpt":
+        return dtensor.nn.GPT, dtensor.nn.GPTConfig(
+            vocab_size=4096, n_layer=4, n_embd=256, n_head=8, mlp_hidden=1024,
+            block_size=args.seq, bias=False, dropout=0.0)
+    return dtensor.nn.Llama, dtensor.nn.LlamaConfig(
+        vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=args.kv_heads,
+        hidden_dim=688, max_seq_len=args.seq)
+
+
+def _sp_grads(cfg, seq: int) -> int:
+    """Replicated parameters trained from sequence shards: norms (LayerNorm weight and bias,
+    RMSNorm weight) and GPT's position embedding."""
+    if isinstance(cfg, dtensor.nn.GPTConfig):
+        return (2 * cfg.n_layer + 1) * 2 * cfg.n_embd + seq * cfg.n_embd
+    return (2 * cfg.n_layers + 1) * cfg.dim
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt", choices=("gpt", "llama"))
+    ap.add_argument("--kv-heads", type=int, default=4, help="Llama's key/value heads (of 8)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
@@ -108,8 +143,7 @@ def main() -> None:
                     help="dtensor.compile's code generator (with --compile)")
     args = ap.parse_args()
 
-    cfg = dtensor.nn.GPTConfig(vocab_size=4096, n_layer=4, n_embd=256, n_head=8, mlp_hidden=1024,
-                               block_size=args.seq, bias=False, dropout=0.0)
+    Model, cfg = _model(args)
     world = args.tp * args.dp
     mesh, rank = None, 0
     if world > 1:
@@ -119,7 +153,7 @@ def main() -> None:
     def build():
         """A model (seed 0, parallelized on the mesh), its optimizer and its train step."""
         dtensor.manual_seed(0)
-        model = dtensor.nn.GPT(cfg)
+        model = Model(cfg)
         if world > 1:
             from dtensor.parallel import parallelize
             parallelize(model, mesh, sequence_parallel=args.sp, fsdp=args.fsdp)
@@ -139,6 +173,7 @@ def main() -> None:
     idx = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
     targets = rng.integers(0, cfg.vocab_size, (args.batch, args.seq))
     model, train_step = build()
+    flops = step_flops(Model(cfg), args.batch, args.seq)  # counted on a whole model
     run = dtensor.compile(train_step, backend=args.backend) if args.compile else train_step
     # Compiled: an eager twin (same seed, same layout) steps between the compiled steps, so
     # the speedup is a ratio of neighbouring steps, drift on this machine hitting both alike.
@@ -177,12 +212,11 @@ def main() -> None:
         refs = get_world().all_reduce(np.array(refs)).tolist()
     matmul = statistics.median(refs)
     med = statistics.median(times)
-    flops = step_flops(cfg, args.batch, args.seq)
     gflops = flops / med / 1e9
     ratio = statistics.median(flops / t / 1e9 / max(refs[i], refs[i + 1])
                               for i, t in enumerate(times))
     record = {
-        "bench": "gpt_step", "mode": "compiled" if args.compile else "eager",
+        "bench": "gpt_step", "model": args.model, "mode": "compiled" if args.compile else "eager",
         "backend": args.backend if args.compile else None, "ranks": world,
         "tp": args.tp, "dp": args.dp, "sp": args.sp, "fsdp": args.fsdp,
         "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
@@ -213,11 +247,15 @@ def main() -> None:
         whole_dp = sum(4 * math.prod(local_shape_and_offset(
             p.shape, (dtensor.Replicate(), p.placements[1]), mesh.shape,
             mesh.get_coordinate())[0]) for p in model.parameters())
-        expect = megatron_bytes(cfg, args.batch, args.seq, args.tp, args.dp, args.sp, args.fsdp,
-                                whole_dp)
+        layers = cfg.n_layer if args.model == "gpt" else cfg.n_layers
+        width = cfg.n_embd if args.model == "gpt" else cfg.dim
+        expect, counts = megatron_traffic(
+            layers, width, _sp_grads(cfg, args.seq), args.batch, args.seq, args.tp, args.dp,
+            args.sp, args.fsdp, whole_dp)
         got = {k: per_step.get(k, (0, 0))[1] for k in expect}
         record["collectives"] = {k: {"count": n, "bytes": b} for k, (n, b) in per_step.items()}
         record["megatron_bytes"] = expect
+        record["megatron_counts"] = counts
         record["bytes_ratio"] = round(sum(got.values()) / max(1, sum(expect.values())), 4)
         record["bytes_ratio_by_kind"] = {k: round(got[k] / expect[k], 4) if expect[k] else
                                          (None if not got[k] else float("inf")) for k in expect}

@@ -281,6 +281,10 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
                 loss_parallel: bool = True, fsdp: bool = False) -> Module:
     """Parallelize a dtensor.nn Transformer over ``mesh``, in place; returns the model.
 
+    The "tp" plan is the model's own when it has a ``tp_plan(tp, sequence_parallel=,
+    loss_parallel=)`` method (``dtensor.nn.Llama`` does), else Megatron's plan for GPT-shaped
+    models below.
+
     * "tp" dim: the Megatron plan (``gpt_plan``): q/k/v and fc1 column-parallel, proj and fc2
       row-parallel, the token embedding vocab-parallel, lm_head column-parallel with the
       vocab-parallel loss (``loss_parallel``); norms replicated, or sequence-parallel with
@@ -318,8 +322,13 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
                              f"{mesh._dims_text()} has none; name one 'dp'.")
         plan, hits = {}, []
         if tp is not None:
-            _check_divisible(_gpt_parts(model), mesh.size(tp))
-            plan = gpt_plan(sequence_parallel, loss_parallel)
+            own = getattr(model, "tp_plan", None)
+            if callable(own):  # the model's own plan (as Hugging Face models carry a tp plan)
+                plan = own(mesh.size(tp), sequence_parallel=sequence_parallel,
+                           loss_parallel=loss_parallel)
+            else:
+                _check_divisible(_gpt_parts(model), mesh.size(tp))
+                plan = gpt_plan(sequence_parallel, loss_parallel)
             hits = _plan_hits(model, plan)
         return dp, tp, plan, hits
 

@@ -148,3 +148,91 @@ def test_checkpoint_mismatches_are_named(tmp_path):
         Llama.from_pretrained(folder)
     with pytest.raises(FileNotFoundError, match="config.json"):
         Llama.from_pretrained(tmp_path / "nowhere")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def _shared_checkpoint(tmp_path, kind, comm):
+    """One checkpoint folder for every rank (tmp_path is the same path on every rank; rank 0
+    writes, the others wait)."""
+    if comm.rank == 0:
+        _checkpoint(tmp_path, kind)
+    comm.barrier()
+    return tmp_path / kind, HF[kind]
+
+
+def _layout(folder, layout):
+    """The model of ``folder`` laid out as ``layout`` names it, and the forward's context."""
+    from contextlib import ExitStack
+
+    from dtensor.parallel import fully_shard, loss_parallel, parallelize_module, replicate
+    world = dtensor.distributed.get_world_size()
+    if layout == "one":
+        return Llama.from_pretrained(folder), ExitStack
+    if layout in ("tp", "dp2xtp2_sp"):
+        shape = (world,) if layout == "tp" else (2, 2)
+        mesh = dtensor.init_device_mesh("cpu", shape, mesh_dim_names=(
+            ("tp",) if layout == "tp" else ("dp", "tp")))
+        return Llama.from_pretrained(folder, device_mesh=mesh,
+                                     sequence_parallel=layout.endswith("sp")), ExitStack
+    # the torchtitan way: a tp plan on mesh["tp"], then data parallelism on mesh["dp"]
+    mesh = dtensor.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Llama.from_pretrained(folder)
+    parallelize_module(model, mesh["tp"], model.tp_plan())
+    if layout == "dp2xtp2_fully_shard":
+        for block in model.layers:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        replicate(model, mesh=mesh["dp"])
+
+    def context():
+        stack = ExitStack()
+        stack.enter_context(dtensor.implicit_replication())  # rotary angles are plain arrays
+        stack.enter_context(loss_parallel())
+        return stack
+    return model, context
+
+
+def _curve(folder, cfg, layout, steps=8):
+    model, context = _layout(folder, layout)
+    opt = dtensor.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    batches, losses = _batches(cfg), []
+    for t in range(steps):
+        idx, tgt = batches[t % len(batches)]
+        with context():
+            _, loss = model(idx, tgt)
+            losses.append(loss.item())
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+    return losses, {k: _whole(v) for k, v in model.state_dict().items()}
+
+
+def _same_run(folder, cfg, layout):
+    want, want_params = _curve(folder, cfg, "one")
+    got, params = _curve(folder, cfg, layout)
+    # float32 sums in another order, 8 AdamW steps: the issue's 1e-5 relative on the losses
+    np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=layout)
+    for k in want_params:
+        # AdamW's per-step parameter change is bounded by lr, whatever the gradient's rounding
+        np.testing.assert_allclose(params[k], want_params[k], rtol=0, atol=8 * 3e-3 * 1e-2,
+                                   err_msg=f"{layout} {k}")
+
+
+@pytest.mark.parametrize("kind", sorted(HF))
+@pytest.mark.ranks(2, timeout=300)
+def test_tp2_equals_one_process(kind, comm, tmp_path):
+    folder, cfg = _shared_checkpoint(tmp_path, kind, comm)
+    _same_run(folder, cfg, "tp")
+
+
+@pytest.mark.parametrize("layout", ["tp", "dp2xtp2_sp", "dp2xtp2_fully_shard",
+                                    "dp2xtp2_replicate"])
+@pytest.mark.ranks(4, timeout=400)
+def test_four_rank_layouts_equal_one_process(layout, comm, tmp_path):
+    # gqa: 2 kv heads, so tp 4 replicates each over the 2 ranks that share it
+    folder, cfg = _shared_checkpoint(tmp_path, "gqa", comm)
+    _same_run(folder, cfg, layout)
+

@@ -290,7 +290,22 @@ class Llama(Module):
         rank must call it, rank 0 writes)."""
         save_safetensors(self, folder, _HF_NAMES, config=self.config.to_hf())
 
-    def tp_plan(self, sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
+    def tp_plan(self, tp: int | None = None, sequence_parallel: bool = False,
+                loss_parallel: bool = True) -> dict:
+        """torchtitan's plan (``llama_tp_plan``) for this model, checked against a tensor-parallel
+        degree ``tp`` when given: it must divide the query heads and the MLP width. A ``tp``
+        above ``n_kv_heads`` is fine: each key/value head is then shared by tp / n_kv_heads
+        ranks."""
+        c = self.config
+        if tp is not None:
+            tp = as_int(tp, "Llama.tp_plan: tp", low=1)
+            bad = [f"{name}={v}" for name, v in (("n_heads", c.n_heads), ("hidden_dim",
+                   c.hidden_dim), ("vocab_size", c.vocab_size)) if v % tp]
+            if bad:
+                raise ValueError(f"Llama: tensor-parallel degree {tp} does not divide "
+                                 f"{', '.join(bad)}; column-parallel projections give each rank "
+                                 f"whole heads and equal shares. Pick tp from the common "
+                                 f"divisors.")
         return llama_tp_plan(sequence_parallel, loss_parallel)
 
 

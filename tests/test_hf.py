@@ -153,7 +153,7 @@ def test_bf16_one_process(tmp_path):
 def test_bf16_scalar_and_chunked_rows(tmp_path, monkeypatch):
     """A 0-d bf16 tensor, and a matrix read a few rows per chunk (the chunk size made tiny)."""
     import dtensor.nn.hf as hf
-    monkeypatch.setattr(hf, "_RAW_CHUNK", 3 * 6 * 2)  # three rows of 6 bf16 values
+    monkeypatch.setattr(hf, "_CHUNK", 3 * 6 * 2)  # three rows of 6 bf16 values
     m = Module()
     m.w = Parameter(np.zeros((10, 6), np.float32))
     m.s = Parameter(np.zeros((), np.float32))

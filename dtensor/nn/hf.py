@@ -37,9 +37,12 @@ __all__ = ["NameMap", "HFCheckpointError", "load_safetensors", "save_safetensors
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# Rows of a bfloat16 tensor are read this many bytes at a time: a column block of a large matrix
-# must not bring the whole matrix into memory.
-_RAW_CHUNK = 32 << 20
+# Tensors are read this many bytes of whole rows at a time (the block's other dims cut from each
+# chunk): a load's transient memory stays this small however large a tensor is, and a column
+# block of a large matrix never brings the whole matrix in. Below glibc's 32 MiB mmap threshold
+# a freed chunk stays in the heap for the next one; benchmarks/from_pretrained.py: per-rank
+# peak at tp=4 is 0.28x the one-process load at 4 MiB, 0.37x at 16 MiB (0.27x at 1 MiB, slower).
+_CHUNK = 4 << 20
 
 
 class HFCheckpointError(ValueError):
@@ -191,25 +194,33 @@ def _raw_header(path: Path) -> tuple[int, dict]:
         return 8 + n, json.loads(f.read(n))
 
 
-# Every safetensors dtype numpy holds, plus BF16 (read raw); the F8 kinds have no numpy type.
-_READABLE = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8",
-             "BOOL")
+# Bytes per element of every safetensors dtype numpy holds, plus BF16 (read raw); the F8 kinds
+# have no numpy type.
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 
 
-def _read_bf16(path: Path, start: int, entry: dict, block: tuple, out: np.ndarray) -> None:
-    """Rows ``block[0]`` of a bfloat16 tensor, ``_RAW_CHUNK`` bytes at a time, the rest of
-    ``block`` cut from each chunk, widened to float32 (a bfloat16 is a float32's high half)."""
-    shape = entry["shape"]
-    row_items = math.prod(shape[1:])
-    rows = block[0]
-    step = max(1, _RAW_CHUNK // max(1, 2 * row_items))
-    with open(path, "rb") as f:
-        for r in range(rows.start, rows.stop, step):
-            n = min(step, rows.stop - r)
-            f.seek(start + entry["data_offsets"][0] + 2 * r * row_items)
-            raw = np.frombuffer(f.read(2 * n * row_items), "<u2").reshape(n, *shape[1:])
-            wide = (raw[(slice(None),) + block[1:]].astype(np.uint32) << 16).view(np.float32)
-            out[r - rows.start: r - rows.start + n] = wide
+def _slice_rows(entry: _Entry, name: str, rows: slice, rest: tuple) -> np.ndarray:
+    from safetensors import safe_open
+    # One open per chunk: the file is memory-mapped, and the pages a slice touches stay in this
+    # process's RSS while the map is open, so a file held open through all its tensors would
+    # peak at its whole size.
+    with safe_open(entry.path, framework="np") as f:
+        sl = f.get_slice(name)
+        return sl[(rows,) + rest] if entry.shape else sl[()].reshape(1)
+
+
+def _bf16_rows(entry: _Entry, name: str, rows: slice, rest: tuple, header) -> np.ndarray:
+    """Rows of a bfloat16 tensor from the file's bytes, widened to float32 (a bfloat16 is a
+    float32's high half): safetensors' numpy API refuses BF16, numpy has no such type."""
+    start, table = header
+    shape = entry.shape or (1,)
+    row = 2 * math.prod(shape[1:])
+    with open(entry.path, "rb") as f:
+        f.seek(start + table[name]["data_offsets"][0] + rows.start * row)
+        raw = np.frombuffer(f.read((rows.stop - rows.start) * row), "<u2")
+    raw = raw.reshape(-1, *shape[1:])[(slice(None),) + rest]
+    return (raw.astype(np.uint32) << 16).view(np.float32)
 
 
 # ----------------------------------------------------------------------------- load
@@ -218,11 +229,6 @@ def _block(p) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(local shape, global offsets) of this rank's block of parameter ``p``."""
     if not hasattr(p, "_spec"):
         return tuple(p.shape), (0,) * len(p.shape)
-    from dtensor.placements import Partial
-    if any(isinstance(q, Partial) for q in p.placements):
-        raise HFCheckpointError(f"a parameter laid out as {list(p.placements)} holds partial "
-                                f"sums, not blocks of a tensor; redistribute it to Shard / "
-                                f"Replicate before loading.")
     return p._spec.local_shape_and_offset()
 
 
@@ -290,9 +296,12 @@ def _plan(params, where: dict[str, _Entry], nm: NameMap, strict: bool):
         shape, dtype = where[name].shape, where[name].dtype
         if shape != tuple(p.shape):
             bad.append(f"{name!r}: checkpoint shape {shape}, parameter shape {tuple(p.shape)}")
-        elif dtype not in _READABLE:
+        elif dtype not in _ITEMSIZE:
             bad.append(f"{name!r}: checkpoint dtype {dtype} has no numpy reader (readable: "
-                       f"{', '.join(_READABLE)})")
+                       f"{', '.join(_ITEMSIZE)})")
+        elif any(q.is_partial() for q in getattr(p, "placements", ())):
+            bad.append(f"{name!r}: the parameter is laid out as {list(p.placements)}, partial "
+                       f"sums rather than blocks; redistribute it to Shard / Replicate first")
     if bad:
         raise HFCheckpointError("checkpoint tensors do not fit the module: " + "; ".join(bad)
                                 + ". Build the model with the checkpoint's config (or convert "
@@ -339,29 +348,24 @@ def load_safetensors(module, folder, name_map=None, *, strict: bool = True):
 
 
 def _read(plan: dict, where: dict[str, _Entry]) -> None:
-    from safetensors import safe_open
-    by_file: dict[Path, list[str]] = {}
-    for name in plan:
-        by_file.setdefault(where[name].path, []).append(name)
-    for path, names in by_file.items():
-        header = None
-        with safe_open(path, framework="np") as f:
-            for name in names:
-                p = plan[name]
-                shape, offset = _block(p)
-                block = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-                out = _target(p, shape)
-                if out.size:  # safetensors refuses an empty slice (a trailing uneven shard)
-                    if where[name].dtype == "BF16":
-                        header = header or _raw_header(path)
-                        if out.ndim:
-                            _read_bf16(path, header[0], header[1][name], block, out)
-                        else:
-                            _read_bf16(path, header[0], dict(header[1][name], shape=[1]),
-                                       (slice(0, 1),), out.reshape(1))
-                    else:
-                        np.copyto(out, f.get_slice(name)[block], casting="unsafe")
-                _store(p, out)
+    headers: dict[Path, tuple[int, dict]] = {}
+    for name, p in plan.items():
+        entry = where[name]
+        shape, offset = _block(p)
+        out = _target(p, shape)
+        # A 0-d tensor is read as one row; an empty block (a trailing uneven shard) not at all:
+        # safetensors refuses an empty slice.
+        rows, *rest = [slice(o, o + n) for o, n in zip(offset, shape)] or [slice(0, 1)]
+        dst = out.reshape(1) if out.ndim == 0 else out
+        if entry.dtype == "BF16" and entry.path not in headers:
+            headers[entry.path] = _raw_header(entry.path)
+        step = max(1, _CHUNK // (_ITEMSIZE[entry.dtype] * max(1, math.prod(entry.shape[1:]))))
+        for r in range(rows.start, rows.stop if out.size else rows.start, step):
+            chunk = slice(r, min(r + step, rows.stop))
+            got = (_bf16_rows(entry, name, chunk, tuple(rest), headers[entry.path])
+                   if entry.dtype == "BF16" else _slice_rows(entry, name, chunk, tuple(rest)))
+            np.copyto(dst[r - rows.start: chunk.stop - rows.start], got, casting="unsafe")
+        _store(p, out)
 
 
 # ----------------------------------------------------------------------------- save

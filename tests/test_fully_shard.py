@@ -211,3 +211,159 @@ def test_two_ranks_train_as_one_process(kind, layout, rank):
 @pytest.mark.ranks(4, timeout=300)
 def test_four_ranks_train_as_one_process(kind, layout, rank):
     _check_matches_one_process(kind, layout)
+
+
+def _state(model, opt, step):
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+
+def _step(model, opt, batch):
+    _, loss = model(*batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+@pytest.mark.ranks(4, timeout=240)
+def test_checkpoint_saved_fully_sharded_loads_in_other_layouts(tmp_path, rank):
+    # Saved under dp2 x tp2 fully_shard (parameters and AdamW moments on the (tp, dp) dims),
+    # loaded under dp4 fully_shard, dp2 x tp2 replicate and one process: the same values
+    # bit for bit, and the next step's loss and weights as the run that saved.
+    rng = np.random.default_rng(3)
+    batches = [_batch("ranker", rng) for _ in range(3)]
+    model, _ = _build("ranker", "dp2xtp2")
+    opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2)
+    for b in batches[:2]:
+        _step(model, opt, b)
+    dtensor.checkpoint.save(_state(model, opt, 2), str(tmp_path))
+    saved = {k: _whole(v) for k, v in model.state_dict().items()}
+    moments = {i: _whole(s["exp_avg_sq"]) for i, s in opt.state_dict()["state"].items()}
+    want_loss = _step(model, opt, batches[2])
+    want = {k: _whole(v) for k, v in model.state_dict().items()}
+    for layout in ("dp4", "ddp2xtp2", None):
+        other, _ = _build("ranker", layout)
+        other_opt = dtensor.optim.AdamW(other.parameters(), lr=1e-2)
+        st = _state(other, other_opt, 0)
+        dtensor.checkpoint.load(st, str(tmp_path))
+        other_opt.load_state_dict(st["optim"])
+        assert st["step"] == 2
+        for k, v in other.state_dict().items():
+            np.testing.assert_array_equal(_whole(v), saved[k], err_msg=f"{layout} {k}")
+        for i, s in other_opt.state_dict()["state"].items():
+            np.testing.assert_array_equal(_whole(s["exp_avg_sq"]), moments[i])
+        np.testing.assert_allclose(_step(other, other_opt, batches[2]), want_loss, rtol=2e-6)
+        for k, v in other.state_dict().items():
+            np.testing.assert_allclose(_whole(v), want[k], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{layout} {k}")
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.ranks(2, timeout=120)
+def test_reshard_after_forward_frees_and_gathers_again(reshard, rank):
+    # A block's gathered parameters are dropped after its forward (their arrays are zero-size
+    # broadcasts until the backward gathers them again); reshard_after_forward=False keeps
+    # them, and the backward then gathers nothing. The gradients are the same either way.
+    model, mesh = _build("ranker", "dp2", reshard=reshard)
+    seen = []  # the weight each block's up-projection computes with (swapped in by then)
+    for block in model.stages:
+        block.up.register_forward_pre_hook(lambda m, args: seen.append(m.weight))
+    x, y = _batch("ranker", np.random.default_rng(0))
+    _, loss = model(x, y)
+    assert len(seen) == 3
+    for w in seen:
+        assert not isinstance(w, DTensor) and w.shape == (14, 10)
+        assert (w.numpy().strides == (0, 0)) == reshard
+    with count_collectives() as bwd:
+        loss.backward()
+    gathers = bwd.count("all_gather")
+    assert gathers == (15 if reshard else 0)  # 3 blocks x 5 parameters
+    grads = {n: p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
+    dtensor.manual_seed(0)
+    ref = Ranker()
+    _, ref_loss = ref(dtensor.tensor(x), dtensor.tensor(y))
+    ref_loss.backward()
+    for n, p in ref.named_parameters():
+        np.testing.assert_allclose(grads[n], p.grad.numpy(), rtol=1e-5, atol=1e-7, err_msg=n)
+
+
+def _bad_cases(mesh, world):
+    """(name, call, error type, message pattern): each call is refused on every rank."""
+    dp = mesh["dp"]
+
+    def sharded_over_dp():
+        model = Ranker()
+        parallelize_module(model, dp, RANKER_PLAN)
+        fully_shard(model, mesh=dp)
+
+    def on_another_mesh():
+        model = Ranker()
+        parallelize_module(model, world, RANKER_PLAN)
+        fully_shard(model, mesh=dp)
+
+    def twice(second):
+        model = fully_shard(Ranker(), mesh=dp)
+        second(model)
+
+    def odd_batch():
+        model = fully_shard(Ranker(), mesh=dp)
+        model(*_batch("ranker", np.random.default_rng(0), rows=3))
+
+    return [
+        ("2-D mesh", lambda: fully_shard(Ranker(), mesh=mesh), ValueError,
+         r"fully_shard takes a 1-D data-parallel mesh, got \(dp=2, tp=2\); pass mesh\['dp'\]"),
+        ("2-D mesh replicate", lambda: replicate(Ranker(), mesh=mesh), ValueError,
+         r"replicate takes a 1-D data-parallel mesh"),
+        ("parameter sharded over dp", sharded_over_dp, ValueError,
+         r"parameter 'stages.0.up.weight' is a DTensor on .*already laid out over the "
+         r"data-parallel mesh.*parallelize_module\(model, mesh\['tp'\], plan\)"),
+        ("parameter on an unrelated mesh", on_another_mesh, ValueError,
+         r"'stages.0.up.weight'.*not slices of one mesh"),
+        ("fully_shard twice", lambda: twice(lambda m: fully_shard(m, mesh=dp)), ValueError,
+         r"fully_shard: Ranker is already under fully_shard\(mesh=.*\); apply data "
+         r"parallelism to a module once"),
+        ("replicate after fully_shard", lambda: twice(lambda m: replicate(m, mesh=dp)),
+         ValueError, r"replicate: Ranker is already under fully_shard"),
+        ("reshard flag", lambda: fully_shard(Ranker(), mesh=dp, reshard_after_forward="yes"),
+         TypeError, r"reshard_after_forward"),
+        ("not a module", lambda: fully_shard(object(), mesh=dp), TypeError,
+         r"fully_shard: the model must be a dtensor.nn.Module"),
+        ("not a mesh", lambda: fully_shard(Ranker(), mesh="dp"), TypeError,
+         r"fully_shard: the mesh must be a DeviceMesh"),
+        ("replicate without a mesh", lambda: replicate(Ranker()), TypeError,
+         r"replicate needs the data-parallel mesh: replicate\(model, mesh=mesh\['dp'\]\)"),
+        ("replicate with two meshes", lambda: replicate(Ranker(), dp, mesh=mesh["tp"]),
+         ValueError, r"got both mesh=.* and device_mesh=.*; pass one of them"),
+        ("negative bucket cap", lambda: replicate(Ranker(), mesh=dp, bucket_cap_mb=-1),
+         ValueError, r"bucket_cap_mb"),
+        ("odd batch", odd_batch, ValueError,
+         r"fully_shard: argument 0 of shape \(3, 6\) has batch size 3.*multiple of 2"),
+    ]
+
+
+@pytest.mark.ranks(4, timeout=180)
+def test_bad_inputs_are_refused_on_every_rank(rank):
+    mesh = dtensor.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    world = dtensor.init_device_mesh("cpu", (4,))
+    for name, call, error, pattern in _bad_cases(mesh, world):
+        with pytest.raises(error, match=pattern):
+            call()
+
+
+@pytest.mark.ranks(4, timeout=120)
+def test_a_mesh_of_one_rank_is_a_no_op_and_uneven_rows_shard_exactly(rank):
+    # mesh["dp"] of (1, 4) holds one rank: fully_shard and replicate leave the model as it is
+    mesh = dtensor.init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+    for wrap in (fully_shard, replicate):
+        model = Ranker()
+        before = list(model.parameters())
+        assert wrap(model, mesh=mesh["dp"]) is model
+        assert [id(p) for p in model.parameters()] == [id(p) for p in before]
+        out, loss = model(*_batch("ranker", np.random.default_rng(0)))
+        assert not isinstance(out, DTensor) and not isinstance(loss, DTensor)
+    # Shard(0) is torch.chunk-exact: out.weight's 5 rows over 4 ranks are 2, 2, 1, 0 and the
+    # gain's 10 are 3, 3, 3, 1, nothing padded
+    dp = dtensor.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = fully_shard(Ranker(), mesh=dp)
+    assert model.out.weight.to_local().shape == ([2, 2, 1, 0][rank], 10)
+    assert model.stages[0].gain.to_local().shape == ([3, 3, 3, 1][rank],)

@@ -212,8 +212,11 @@ _LOCAL = "local"  # the module computes with the gathered parameter's local bloc
 def _view_vjp(g, out, full):
     # The module's gradient of the gathered block is this rank's share of the sum over "dp"
     # (the innermost storage dim): Partial there, so the gather's backward reduce-scatters it.
+    # Over the storage dims the module's mesh does not have, every rank computed it whole.
     local, placements = (g._loc(), g.placements) if isinstance(g, DTensor) else (g.data, ())
-    spec = DTensorSpec(full.device_mesh, tuple(placements) + (Partial(),), full.shape,
+    mesh = full.device_mesh
+    whole = (Replicate(),) * (mesh.ndim - 1 - len(placements))
+    spec = DTensorSpec(mesh, whole + tuple(placements) + (Partial(),), full.shape,
                        np.dtype(g.dtype))
     return (DTensor._make(local, spec),)
 
@@ -228,8 +231,8 @@ def _as_view(full: DTensor, view):
     if view == _LOCAL:
         out = Tensor._wrap(local)
     else:
-        out = DTensor._make(local, DTensorSpec(view, full.placements[:-1], full.shape,
-                                               full.dtype))
+        out = DTensor._make(local, DTensorSpec(view, full.placements[-1 - view.ndim:-1],
+                                               full.shape, full.dtype))
     if autograd.is_grad_enabled() and full.requires_grad:
         autograd.record(_FSDP_VIEW, (full,), {}, out)
     return out
@@ -300,27 +303,32 @@ def _stored(p, mesh: DeviceMesh, placements: tuple, source: tuple) -> DTensor:
 
 def _fsdp_layout(name: str, p, mesh: DeviceMesh):
     """(storage mesh, stored placements, view) of parameter ``name`` under fully_shard over
-    the 1-D mesh ``mesh``. A plain parameter is stored on ``mesh``; a DTensor on a sibling
-    sub-mesh (mesh["tp"] beside mesh["dp"]) on the parent's (its dims..., "dp") dims: "dp"
-    innermost, so it splits the "tp" block and gathering it is one all-gather over "dp"
-    whatever "tp" shards (PyTorch reaches the same with _StridedShard on ("dp", "tp"))."""
+    the 1-D mesh ``mesh``, a dim of a root mesh (itself when built whole). Every parameter is
+    stored on the whole root, its dims reordered as (others..., the parameter's own mesh's...,
+    "dp"): Replicate over the others, the tensor-parallel layout kept, Shard(0) over "dp".
+    Covering the root keeps one writer per block in a checkpoint and one mesh for every
+    parameter; "dp" innermost splits the "tp" block, so gathering it is one all-gather over
+    "dp" whatever "tp" shards (PyTorch reaches the same with _StridedShard on ("dp", "tp"))."""
     split = Shard(0) if p.ndim else Replicate()  # a 0-d parameter is replicated, all-reduced
-    if not isinstance(p, DTensor):
-        return mesh, (split,), _LOCAL
-    own = p.device_mesh
-    root, dims = own._root
-    droot, ddims = mesh._root
-    if root != droot or set(dims) & set(ddims):
-        why = ("it is already laid out over the data-parallel mesh" if root == droot else
-               "its mesh and the data-parallel mesh are not slices of one mesh")
-        raise ValueError(
-            f"fully_shard: parameter {name!r} is a DTensor on {own} ({list(p.placements)}): "
-            f"{why}, so it cannot be sharded over {mesh}. Apply data parallelism once, over a "
-            f"sibling of the tensor-parallel mesh: mesh = init_device_mesh('cpu', (dp, tp), "
-            f"mesh_dim_names=('dp', 'tp')); parallelize_module(model, mesh['tp'], plan); "
-            f"fully_shard(model, mesh=mesh['dp']).")
-    storage = root._sub(tuple(dims) + tuple(ddims))
-    return storage, tuple(p.placements) + (split,), own
+    root, ddims = mesh._root
+    if isinstance(p, DTensor):
+        own = p.device_mesh
+        oroot, dims = own._root
+        if oroot != root or set(dims) & set(ddims):
+            why = ("it is already laid out over the data-parallel mesh" if oroot == root else
+                   "its mesh and the data-parallel mesh are not slices of one mesh")
+            raise ValueError(
+                f"fully_shard: parameter {name!r} is a DTensor on {own} ({list(p.placements)}):"
+                f" {why}, so it cannot be sharded over {mesh}. Apply data parallelism once, "
+                f"over a sibling of the tensor-parallel mesh: mesh = init_device_mesh('cpu', "
+                f"(dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(model, "
+                f"mesh['tp'], plan); fully_shard(model, mesh=mesh['dp']).")
+        placements, view = tuple(p.placements), own
+    else:
+        dims, placements, view = (), (), _LOCAL
+    others = tuple(d for d in range(root.ndim) if d not in dims and d not in ddims)
+    storage = root._sub(others + tuple(dims) + tuple(ddims))
+    return storage, (Replicate(),) * len(others) + placements + (split,), view
 
 
 def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True

@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
+import json
 import math
 import os
 import shlex
@@ -42,7 +44,6 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 import dtensor
-from dtensor.nn import GPT, GPTConfig
 
 
 # ----------------------------------------------------------------------------- flags
@@ -54,6 +55,8 @@ def flag(default, help: str, low: float | None = None, **argparse_kwargs):
 
 @dataclass
 class TrainConfig:
+    model: str = flag("gpt", "the model: dtensor.nn.GPT or dtensor.nn.Llama (RMSNorm, rotary "
+                      "positions, grouped-query attention, SwiGLU)", choices=("gpt", "llama"))
     steps: int = flag(600, "optimizer steps to train", low=1)
     batch_size: int = flag(16, "sequences per step: the global batch, split over the dp ranks",
                            low=1)
@@ -61,7 +64,9 @@ class TrainConfig:
     n_layer: int = flag(4, "Transformer blocks", low=1)
     n_head: int = flag(4, "attention heads per block (tp must divide it)", low=1)
     n_embd: int = flag(128, "embedding width (n_head must divide it)", low=1)
-    dropout: float = flag(0.0, "dropout probability", low=0)
+    kv_heads: int = flag(0, "--model llama's key/value heads, each shared by n_head / kv_heads "
+                         "query heads (0: n_head / 2 when n_head is even, else n_head)", low=0)
+    dropout: float = flag(0.0, "dropout probability (--model gpt)", low=0)
     lr: float = flag(2e-3, "peak learning rate (AdamW)", low=0)
     min_lr: float = flag(2e-4, "learning rate at the end of the cosine decay", low=0)
     warmup: int = flag(30, "steps of linear warmup to --lr", low=0)
@@ -87,6 +92,11 @@ class TrainConfig:
     save_every: int = flag(0, "save a sharded checkpoint every this many steps (0: never)", low=0)
     save_dir: str = flag("checkpoints/train", "where --save-every writes")
     resume: str = flag("", "a checkpoint folder to continue from, saved by any layout")
+    init_from: str = flag("", "a Hugging Face Llama folder (config.json + *.safetensors) to start "
+                          "from, with --model llama; its config sets the size flags left at "
+                          "their defaults, and its vocabulary must be the corpus's")
+    save_pretrained: str = flag("", "with --model llama, write the trained model there as a "
+                                "Hugging Face folder (what --init-from reads)")
     stop_after: int = flag(0, "stop after this many steps, as if interrupted, the schedule still "
                            "that of --steps (0: run all)", low=0)
     expect_val_loss: float = flag(0.0, "self-check: exit 1 unless the final val loss is below "
@@ -109,8 +119,42 @@ def mesh_shape(cfg: TrainConfig, world: int) -> tuple[int, int]:
     elif cfg.dp:
         tp = max(1, world // cfg.dp)
     else:
-        tp = 2 if world % 2 == 0 and cfg.n_head % 2 == 0 else 1
+        heads = (cfg.n_head, kv_heads(cfg)) if cfg.model == "llama" else (cfg.n_head,)
+        tp = 2 if world % 2 == 0 and all(h % 2 == 0 for h in heads) else 1
     return cfg.dp or max(1, world // tp), tp
+
+
+def kv_heads(cfg: TrainConfig) -> int:
+    """Llama's key/value heads: --kv-heads, or half the query heads when they halve evenly."""
+    return cfg.kv_heads or (cfg.n_head // 2 if cfg.n_head % 2 == 0 else cfg.n_head)
+
+
+# The size flags --init-from's config.json sets: flag -> (LlamaConfig field, what it counts).
+FOLDER_SIZES = {"n_layer": ("n_layers", "layers"), "n_head": ("n_heads", "heads"),
+                "n_embd": ("dim", "channels"), "kv_heads": ("n_kv_heads", "key/value heads")}
+
+
+@functools.lru_cache(maxsize=None)
+def folder_config(folder: str):
+    """The LlamaConfig of a Hugging Face folder's config.json, or the reason there is none."""
+    from dtensor.nn import LlamaConfig
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return LlamaConfig.from_hf(json.load(f))
+    except (OSError, ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def with_folder_sizes(cfg: TrainConfig) -> TrainConfig:
+    """The size flags left at their defaults take the values of --init-from's config.json (a
+    flag given another value stays, for RULES to report)."""
+    hf = (folder_config(cfg.init_from) if cfg.model == "llama" and cfg.init_from
+          and os.path.isdir(cfg.init_from) else "")
+    if isinstance(hf, str):
+        return cfg
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    return dataclasses.replace(cfg, **{k: getattr(hf, v) for k, (v, _) in FOLDER_SIZES.items()
+                                       if getattr(cfg, k) == defaults[k]})
 
 
 def relaunch(cfg: TrainConfig, nproc: int, **changes) -> str:
@@ -141,15 +185,51 @@ def sp_lengths(c: TrainConfig) -> range:
 # order after each flag's own least value, before any data or parallel setup. The layout's own
 # consistency comes before the rank count, so that a suggested command runs.
 RULES: list[tuple[Callable[[TrainConfig, Layout], bool], Callable[[TrainConfig, Layout], str]]] = [
+    (lambda c, L: c.model != "llama" and (c.init_from or c.save_pretrained or c.kv_heads),
+     lambda c, L: f"{llama_only(c)}: for dtensor.nn.Llama, and this run trains --model "
+                  f"{c.model}: add --model llama"),
+    (lambda c, L: c.init_from and not os.path.isdir(c.init_from),
+     lambda c, L: f"--init-from {c.init_from}: no such folder; pass a Hugging Face Llama folder "
+                  f"(config.json + *.safetensors), e.g. one that --save-pretrained wrote"),
+    (lambda c, L: c.init_from and isinstance(folder_config(c.init_from), str),
+     lambda c, L: f"--init-from {c.init_from}: no Llama config.json there "
+                  f"({folder_config(c.init_from)}); pass a Hugging Face Llama folder"),
+    (lambda c, L: c.init_from and folder_clash(c),
+     lambda c, L: f"--init-from {c.init_from} holds a model with {folder_clash(c)}: drop the "
+                  f"flag (the folder's config.json sizes the model)"),
+    (lambda c, L: c.init_from and c.block_size > folder_config(c.init_from).max_seq_len,
+     lambda c, L: f"--block-size {c.block_size} is longer than the context of --init-from "
+                  f"{c.init_from} (max_position_embeddings "
+                  f"{folder_config(c.init_from).max_seq_len}): use --block-size "
+                  f"{folder_config(c.init_from).max_seq_len} or less"),
+    (lambda c, L: c.init_from and c.fsdp,
+     lambda c, L: "--init-from lays the model out through Llama.from_pretrained, which does "
+                  "not shard parameters over dp: drop --fsdp"),
+    (lambda c, L: c.model == "llama" and c.dropout,
+     lambda c, L: f"--dropout {c.dropout:g}: dtensor.nn.Llama has no dropout; drop --dropout "
+                  f"or use --model gpt"),
     (lambda c, L: c.dropout >= 1,
      lambda c, L: f"--dropout {c.dropout:g} drops everything: use a probability below 1"),
-    (lambda c, L: c.n_embd % c.n_head,
+    (lambda c, L: not c.init_from and c.n_embd % c.n_head,
      lambda c, L: f"--n-embd {c.n_embd} does not split into --n-head {c.n_head} heads: use an "
                   f"--n-embd that is a multiple of {c.n_head}"),
+    (lambda c, L: c.model == "llama" and not c.init_from and c.n_embd // c.n_head % 2,
+     lambda c, L: f"--n-embd {c.n_embd} gives heads of {c.n_embd // c.n_head} channels, and "
+                  f"Llama's rotary embedding turns pairs of them: use an --n-embd that is a "
+                  f"multiple of {2 * c.n_head}"),
+    (lambda c, L: c.model == "llama" and c.n_head % kv_heads(c),
+     lambda c, L: f"{kv_text(c)} does not divide --n-head {c.n_head} (each "
+                  f"key/value head serves a whole group of query heads): use one of "
+                  f"{[d for d in range(1, c.n_head + 1) if c.n_head % d == 0]}"),
     (lambda c, L: c.n_head % L.tp,
      lambda c, L: f"--n-head {c.n_head} does not split over tp={L.tp} ranks (each computes "
                   f"whole heads): use --tp {max(d for d in range(1, L.tp) if c.n_head % d == 0)}"
                   f" or an --n-head that is a multiple of {L.tp}"),
+    (lambda c, L: c.model == "llama" and kv_heads(c) % L.tp,
+     lambda c, L: f"{kv_text(c)} does not split over tp={L.tp} ranks (each "
+                  f"computes whole key/value heads): use --tp "
+                  f"{max(d for d in range(1, L.tp) if kv_heads(c) % d == 0)} or a --kv-heads "
+                  f"that is a multiple of {L.tp} and divides --n-head {c.n_head}"),
     (lambda c, L: c.sp and L.tp < 2,
      lambda c, L: f"--sp splits each sequence over the tensor-parallel ranks, and this layout "
                   f"is dp={L.dp} x tp={L.tp}: run `{relaunch(c, 2 * L.dp, tp=2 if c.tp else 0)}`"),
@@ -186,6 +266,25 @@ RULES: list[tuple[Callable[[TrainConfig, Layout], bool], Callable[[TrainConfig, 
 ]
 
 
+def llama_only(c: TrainConfig) -> str:
+    """The Llama-only flags this run sets, as the user wrote them."""
+    return ", ".join(f"--{n.replace('_', '-')}" for n in ("init_from", "save_pretrained",
+                                                        "kv_heads") if getattr(c, n))
+
+
+def kv_text(c: TrainConfig) -> str:
+    return (f"--kv-heads {c.kv_heads}" if c.kv_heads else
+            f"--kv-heads 0 ({kv_heads(c)} key/value heads for --n-head {c.n_head})")
+
+
+def folder_clash(c: TrainConfig) -> str:
+    """The size flags that disagree with --init-from's config.json, e.g. "4 layers (--n-layer
+    2)", or ""."""
+    hf = folder_config(c.init_from)
+    return ", ".join(f"{getattr(hf, v)} {what} (--{k.replace('_', '-')} {getattr(c, k)})"
+                     for k, (v, what) in FOLDER_SIZES.items() if getattr(c, k) != getattr(hf, v))
+
+
 def check_flags(cfg: TrainConfig, world: int) -> str | None:
     """What is wrong with these flags on ``world`` ranks and how to fix it, or None."""
     for f in dataclasses.fields(cfg):
@@ -196,9 +295,7 @@ def check_flags(cfg: TrainConfig, world: int) -> str | None:
     return next((msg(cfg, layout) for broken, msg in RULES if broken(cfg, layout)), None)
 
 
-def parse_args(argv: list[str] | None, world: int) -> TrainConfig:
-    """TrainConfig from the command line; a flag combination that cannot run exits 2 saying
-    what to change."""
+def parser() -> argparse.ArgumentParser:
     class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
         pass
 
@@ -212,7 +309,14 @@ def parse_args(argv: list[str] | None, world: int) -> TrainConfig:
             ap.add_argument(name, action="store_true", **extra)
         else:
             ap.add_argument(name, type=type(f.default), default=f.default, **extra)
-    cfg = TrainConfig(**vars(ap.parse_args(argv)))
+    return ap
+
+
+def parse_args(argv: list[str] | None, world: int) -> TrainConfig:
+    """TrainConfig from the command line; a flag combination that cannot run exits 2 saying
+    what to change."""
+    ap = parser()
+    cfg = with_folder_sizes(TrainConfig(**vars(ap.parse_args(argv))))
     problem = check_flags(cfg, world)
     if problem:
         ap.error(problem)
@@ -295,6 +399,26 @@ def evaluate(model, data: CharData, cfg: TrainConfig, batches: int = 4) -> float
     return float(np.mean(losses))
 
 
+def build_model(cfg: TrainConfig, vocab_size: int, mesh):
+    """The model the flags ask for, laid out over ``mesh`` (None: one process)."""
+    from dtensor.nn import GPT, GPTConfig, Llama, LlamaConfig
+    from dtensor.parallel import parallelize
+    if cfg.init_from:  # each rank reads only its own blocks of the folder's tensors
+        return Llama.from_pretrained(cfg.init_from, device_mesh=mesh,
+                                     sequence_parallel=cfg.sp)
+    if cfg.model == "llama":
+        model = Llama(LlamaConfig(vocab_size=vocab_size, dim=cfg.n_embd, n_layers=cfg.n_layer,
+                                  n_heads=cfg.n_head, n_kv_heads=kv_heads(cfg),
+                                  max_seq_len=cfg.block_size))
+    else:
+        model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size,
+                              n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                              dropout=cfg.dropout))
+    if mesh is not None:
+        parallelize(model, mesh, sequence_parallel=cfg.sp, fsdp=cfg.fsdp)
+    return model
+
+
 def main(argv: list[str] | None = None) -> float:
     """Train as the flags say; returns the final val loss (nan after --stop-after)."""
     world = dtensor.distributed.get_world_size()  # 1 in a plain process; MPI's under dtlaunch
@@ -307,18 +431,27 @@ def main(argv: list[str] | None = None) -> float:
     print_(f"corpus: {len(data.train) + len(data.val):,} chars of Python stdlib docstrings, "
           f"vocab {data.vocab_size} ({time.perf_counter() - t0:.1f}s)")
 
-    model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=data.vocab_size,
-                          n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                          dropout=cfg.dropout))
+    if cfg.init_from and folder_config(cfg.init_from).vocab_size != data.vocab_size:
+        # Known only once the corpus is read; every rank reads the same corpus and exits here.
+        parser().error(f"--init-from {cfg.init_from} holds a vocabulary of "
+                       f"{folder_config(cfg.init_from).vocab_size} tokens, and the corpus's "
+                       f"(--corpus-chars {cfg.corpus_chars}) has {data.vocab_size} characters: "
+                       f"start from a folder that --save-pretrained wrote for this corpus")
+    mesh = None
     if world > 1:
-        from dtensor.parallel import parallelize
         mesh = dtensor.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        parallelize(model, mesh, sequence_parallel=cfg.sp, fsdp=cfg.fsdp)
+    model = build_model(cfg, data.vocab_size, mesh)
+    if mesh is not None:
         print_(f"mesh: dp={dp} x tp={tp}{' sequence-parallel' if cfg.sp else ''}"
                f"{' fsdp' if cfg.fsdp else ''}")
-    print_(f"model: {model.num_params(non_embedding=False):,} parameters; "
-          f"initial loss should be near ln({data.vocab_size}) = {math.log(data.vocab_size):.2f}")
-    opt = dtensor.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    print_(f"model: {type(model).__name__}, {model.num_params(non_embedding=False):,} "
+           f"parameters; " + (f"from {cfg.init_from}" if cfg.init_from else
+                              f"initial loss should be near ln({data.vocab_size}) = "
+                              f"{math.log(data.vocab_size):.2f}"))
+    # LambdaLR scales the base lr 1.0 by lr_at(step): the schedule's lrs are lr_at's to the bit
+    # (a base of --lr times lr_at / --lr would round some of them differently).
+    opt = dtensor.optim.AdamW(model.parameters(), lr=1.0, weight_decay=cfg.weight_decay)
+    sched = dtensor.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, cfg))
 
     def train_step(x, y):
         _, loss = model(x, y)
@@ -334,7 +467,7 @@ def main(argv: list[str] | None = None) -> float:
         """Everything a resumed run needs to continue exactly: weights, optimizer, the
         counter-based RNG and the data order's RNG, the step."""
         return {"model": model.state_dict(), "optim": opt.state_dict(),
-                "rng": dtensor.random.get_rng_state(),
+                "sched": sched.state_dict(), "rng": dtensor.random.get_rng_state(),
                 "data_rng": data.rng.bit_generator.state, "step": 0}
 
     start = 0
@@ -342,6 +475,7 @@ def main(argv: list[str] | None = None) -> float:
         st = state()
         dtensor.checkpoint.load(st, cfg.resume)
         opt.load_state_dict(st["optim"])
+        sched.load_state_dict(st["sched"])
         dtensor.random.set_rng_state(st["rng"])
         data.rng.bit_generator.state = st["data_rng"]
         start = st["step"]
@@ -350,20 +484,20 @@ def main(argv: list[str] | None = None) -> float:
     tokens = cfg.batch_size * cfg.block_size
     t_last, last_logged, loss_val = time.perf_counter(), start - 1, float("nan")
     for step in range(start, cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+        lr = sched.get_last_lr()[0]
         loss_val = step_fn(*data.batch("train", cfg.batch_size, cfg.block_size)).item()
         if not math.isfinite(loss_val):
             # Every rank holds the same (replicated) loss, so all of them stop here together.
             raise SystemExit(
                 f"step {step}: loss is {loss_val}; training diverged, stopping. The learning "
-                f"rate (--lr {cfg.lr:g}, {lr_at(step, cfg):.2e} at this step) is likely too "
+                f"rate (--lr {cfg.lr:g}, {lr:.2e} at this step) is likely too "
                 f"high: lower it, lengthen --warmup, or check --grad-clip and the data.")
+        sched.step()
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             now = time.perf_counter()
             n = step - last_logged  # steps since the last line (eval and saves included)
             print_(f"step {step:5d} {progress(step + 1, cfg.steps)}  loss {loss_val:.4f}  "
-                  f"lr {lr_at(step, cfg):.2e}  {n * tokens / (now - t_last):8.0f} tok/s",
+                  f"lr {lr:.2e}  {n * tokens / (now - t_last):8.0f} tok/s",
                   flush=True)
             t_last, last_logged = now, step
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
@@ -381,6 +515,9 @@ def main(argv: list[str] | None = None) -> float:
     val = evaluate(model, data, cfg)
     print_(f"final: train loss {loss_val:.4f}, val loss {val:.4f}, "
            f"{time.perf_counter() - t0:.0f}s total")
+    if cfg.save_pretrained:
+        model.save_pretrained(cfg.save_pretrained)  # collective: every rank gives its blocks
+        print_(f"saved {cfg.save_pretrained} (--init-from reads it)", flush=True)
     if cfg.sample_chars:
         # One copy of the prompt per "dp" rank (the batch is split over "dp"); print the first.
         prompt = np.array([[data.stoi[c] for c in PROMPT]] * dp)

@@ -13,8 +13,8 @@ the same ``_ShardedParams`` on its one 2-D mesh.
 
 Both compose with tensor parallelism applied first on another dim of the same mesh
 (``parallelize_module(model, mesh["tp"], plan)``): the module still sees the "tp" DTensors the
-styles made; fully_shard stores each one on the parent mesh's ("tp", "dp") dims, sharded over
-"dp" inside the "tp" block.
+styles made; fully_shard stores every parameter on the whole parent mesh with "dp" innermost,
+a "tp" parameter sharded over "dp" inside its "tp" block.
 
 Batch and outputs: the outermost data-parallel module of a forward takes a plain array input
 for the global batch (each rank keeps batch / n rows) and hands back a 0-d float output (a

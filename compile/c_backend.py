@@ -76,6 +76,21 @@ static inline T dt_log_S(T x) { return IS_FLOAT ? (logf)(x) : (log)(x); }
 static inline T dt_sqrt_S(T x) { return IS_FLOAT ? (sqrtf)(x) : (sqrt)(x); }
 static inline T dt_tanh_S(T x) { return IS_FLOAT ? (tanhf)(x) : (tanh)(x); }
 static inline T dt_pow_S(T x, T y) { return IS_FLOAT ? (powf)(x, y) : (pow)(x, y); }
+static inline T dt_cos_S(T x) { return IS_FLOAT ? (cosf)(x) : (cos)(x); }
+static inline T dt_sin_S(T x) { return IS_FLOAT ? (sinf)(x) : (sin)(x); }
+static inline T dt_abs_S(T x) { return IS_FLOAT ? (fabsf)(x) : (fabs)(x); }
+static inline T dt_rsqrt_S(T x) { return 1.0F / dt_sqrt_S(x); }
+
+static inline T dt_sigmoid_S(T x) {  /* _sigmoid_impl: exp(-|x|), never overflowing */
+    T e = dt_exp_S(x < 0 ? x : -x);
+    T s = 1.0F / (1.0F + e);
+    return x < 0 ? e * s : s;
+}
+
+static inline T dt_clamp_S(T x, T lo, T hi) {  /* min(max(x, lo), hi): NaN stays NaN */
+    T y = x < lo ? lo : x;
+    return y > hi ? hi : y;
+}
 
 static inline T dt_erf_S(T x) {  /* erf_block: Numerical Recipes' erfc */
     T z = x < 0 ? -x : x;
@@ -384,6 +399,12 @@ PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#ifdef __AVX__\n#include <im
 #define tanh(x) DT_GENERIC(tanh, x)(x)
 #define erf(x) DT_GENERIC(erf, x)(x)
 #define pow(x, y) DT_GENERIC(pow, x)(x, y)
+#define cos(x) DT_GENERIC(cos, x)(x)
+#define sin(x) DT_GENERIC(sin, x)(x)
+#define abs(x) DT_GENERIC(abs, x)(x)
+#define rsqrt(x) DT_GENERIC(rsqrt, x)(x)
+#define sigmoid(x) DT_GENERIC(sigmoid, x)(x)
+#define clamp(x, lo, hi) DT_GENERIC(clamp, x)(x, lo, hi)
 #define gelu_none(x) DT_GENERIC(gelu_none, x)(x)
 #define gelu_tanh(x) DT_GENERIC(gelu_tanh, x)(x)
 #define gelu_none_grad(g, x, y) DT_GENERIC(gelu_none_grad, x)(g, x, y)

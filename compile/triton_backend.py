@@ -70,6 +70,39 @@ def erf(x):
 
 
 @triton.jit
+def cos(x):
+    return tl.cos(x)
+
+
+@triton.jit
+def sin(x):
+    return tl.sin(x)
+
+
+@triton.jit
+def abs(x):
+    return tl.abs(x)
+
+
+@triton.jit
+def rsqrt(x):
+    return 1.0 / tl.sqrt(x)
+
+
+@triton.jit
+def sigmoid(x):  # exp(-|x|) never overflows (dtensor/ops/pointwise.py)
+    e = tl.exp(-tl.abs(x))
+    s = 1.0 / (1.0 + e)
+    return tl.where(x < 0, e * s, s)
+
+
+@triton.jit
+def clamp(x, lo, hi):
+    y = tl.where(x < lo, lo, x)
+    return tl.where(y > hi, hi, y)
+
+
+@triton.jit
 def gelu_none(x):
     return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 

@@ -42,14 +42,19 @@ from dtensor import ops  # noqa: F401  (registers every op before first use)
 from dtensor.autograd import enable_grad, is_grad_enabled, no_grad
 from dtensor.random import initial_seed, manual_seed
 from dtensor.tensor import (Tensor, arange, as_tensor, cat, full, ones, ones_like, rand, randn,
-                            tensor, where, zeros, zeros_like, matmul)
+                            tensor, where, zeros, zeros_like, matmul, stack, cos, sin, rsqrt,
+                            sigmoid, abs, clamp, argmax, cumsum, tril, triu, repeat_interleave,
+                            outer)
+from dtensor._einsum import einsum
 
 float16, float32, float64 = np.float16, np.float32, np.float64
 int32, int64, bool_ = np.int32, np.int64, np.bool_
 
 __version__ = "0.1.0"
 __all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like", "ones_like",
-           "arange", "rand", "randn", "cat", "where", "matmul", "no_grad", "enable_grad",
+           "arange", "rand", "randn", "cat", "where", "matmul", "stack", "einsum", "cos", "sin",
+           "rsqrt", "sigmoid", "abs", "clamp", "argmax", "cumsum", "tril", "triu",
+           "repeat_interleave", "outer", "no_grad", "enable_grad",
            "is_grad_enabled", "manual_seed", "initial_seed", "float16", "float32", "float64",
            "int32", "int64", "bool_", "nn", "optim", "Shard", "Replicate", "Partial", "DTensor",
            "DeviceMesh", "init_device_mesh", "distribute_tensor", "distribute_module",

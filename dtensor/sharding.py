@@ -185,6 +185,22 @@ def _cat(avals, params, out, *_):
         ([R] * len(avals), R)]
 
 
+def _along(avals, params, out, *_):
+    # Ops along one dim (argmax, cumsum, repeat_interleave): every result there reads the whole
+    # dim, so it stays whole (a shard of it is gathered); the other dims keep their shards, one
+    # lower past a dim argmax drops.
+    x, axis = avals[0], params["axis"]
+    drop = len(out.shape) < len(x.shape)
+    return [([Shard(d)], Shard(d - 1 if drop and d > axis else d))
+            for d in range(len(x.shape)) if d != axis] + [([R], R)]
+
+
+def _matrix(avals, params, out, *_):
+    # Ops on the trailing matrix as a whole (tril, triu): its two dims stay whole, the batch
+    # dims keep their shards.
+    return [([Shard(d)], Shard(d)) for d in range(len(out.shape) - 2)] + [([R], R)]
+
+
 def _index_select(avals, params, out, *_):
     w, idx = avals
     ni = len(idx.shape)
@@ -245,6 +261,7 @@ RULES = {
     "index_select": _index_select, "index_add": _index_add, "gather": _gather,
     "scatter_add": _scatter_add, "rowwise": _rowwise,
     "pointwise_stacked": _pointwise_stacked, "reduce": _reduce, "factory": _factory,
+    "along": _along, "matrix": _matrix,
 }
 
 

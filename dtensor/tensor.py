@@ -22,8 +22,9 @@ from dtensor.ops import structural as st
 from dtensor.validate import as_bool, as_dim, as_int, as_real, as_shape
 
 __all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like", "ones_like",
-           "arange", "rand", "randn", "cat", "where", "resolve_dtype", "float_dtype", "fill_value",
-           "DTYPES"]
+           "arange", "rand", "randn", "cat", "where", "stack", "cos", "sin", "rsqrt", "sigmoid",
+           "abs", "clamp", "argmax", "cumsum", "tril", "triu", "repeat_interleave", "outer",
+           "resolve_dtype", "float_dtype", "fill_value", "DTYPES"]
 
 DTYPES = {name: np.dtype(name) for name in
           ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")}
@@ -160,6 +161,27 @@ def _index(key, shape: tuple) -> tuple:
     return tuple(out)
 
 
+def _dtype_bounds(dtype) -> tuple:
+    """(lowest, highest) value of ``dtype``: clamp's stand-ins for a missing bound, so that
+    clamp(min=0) of an int tensor stays int."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return -math.inf, math.inf
+    if dtype.kind == "b":
+        return False, True
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def _triangle(op, x, diagonal):
+    name = op.name
+    diagonal = as_int(diagonal, f"{name}: diagonal")
+    if x.ndim < 2:
+        raise ValueError(f"{name}: the input must have at least 2 dims (a matrix or a batch of "
+                         f"them), got shape {tuple(x.shape)}.")
+    return op(x, diagonal=diagonal)
+
+
 def _base_refs(d: np.ndarray) -> int:
     return sys.getrefcount(d.base)
 
@@ -216,10 +238,77 @@ class TensorMethods:
     def sqrt(self): return pw.sqrt(self)
     def tanh(self): return pw.tanh(self)
     def erf(self): return nnops.erf(self)
-    def sigmoid(self): return 1.0 / (1.0 + pw.exp(-self))
+    def sigmoid(self): return pw.sigmoid(self)
     def relu(self): return pw.where(self > 0, self, 0.0)
-    def abs(self): return pw.where(self >= 0, self, -self)
+    def abs(self): return pw.abs(self)
     def maximum(self, o): return pw.maximum(self, o)
+    def cos(self): return pw.cos(self)
+    def sin(self): return pw.sin(self)
+    def rsqrt(self): return pw.rsqrt(self)
+
+    def clamp(self, min=None, max=None):
+        """min(max(x, min), max), as torch.clamp: either bound may be None (not both) or a
+        tensor; with min > max every entry is max. The gradient goes to whichever of x, min
+        and max each entry came from (to x at a tie)."""
+        if min is None and max is None:
+            raise ValueError("clamp: give min, max or both; with neither it would return the "
+                             "tensor unchanged.")
+        for name, bound in (("min", min), ("max", max)):
+            if bound is not None and not isinstance(bound, (TensorMethods, np.ndarray,
+                                                            numbers.Real)):
+                raise TypeError(f"clamp: {name} must be a number or a tensor, got "
+                                f"{reprlib.repr(bound)} (a {type(bound).__name__}).")
+        low, high = _dtype_bounds(self.dtype)
+        return pw.clamp(self, low if min is None else min, high if max is None else max)
+
+    def clamp_min(self, min): return self.clamp(min=min)
+    def clamp_max(self, max): return self.clamp(max=max)
+
+    def argmax(self, dim: int | None = None, keepdim: bool = False):
+        """Index of the first largest entry along ``dim`` (of the flattened tensor for None),
+        as int64; NaN counts as the largest, as in torch.argmax."""
+        keepdim = as_bool(keepdim, "argmax: keepdim")
+        if dim is None or self.ndim == 0:
+            if dim is not None:
+                as_dim(dim, 0, op="argmax", ndim=1)
+            i = st.argmax(self.reshape(-1), axis=0, keepdims=False)
+            return i.reshape((1,) * self.ndim) if keepdim else i
+        return st.argmax(self, axis=as_dim(dim, tuple(self.shape), op="argmax"),
+                         keepdims=keepdim)
+
+    def cumsum(self, dim: int):
+        """Running sums along ``dim``, as torch.cumsum (integers and bools sum in int64)."""
+        if self.ndim == 0:
+            as_dim(dim, 0, op="cumsum", ndim=1)
+            return st.cumsum(self.reshape(1), axis=0, reverse=False).reshape(())
+        return st.cumsum(self, axis=as_dim(dim, tuple(self.shape), op="cumsum"), reverse=False)
+
+    def tril(self, diagonal: int = 0): return _triangle(st.tril, self, diagonal)
+    def triu(self, diagonal: int = 0): return _triangle(st.triu, self, diagonal)
+
+    def repeat_interleave(self, repeats: int, dim: int | None = None):
+        """Each entry ``repeats`` times in a row along ``dim`` (of the flattened tensor for
+        None), as torch.repeat_interleave with an int."""
+        if isinstance(repeats, (TensorMethods, np.ndarray)):
+            raise TypeError("repeat_interleave: repeats must be an int; per-entry counts (a "
+                            "tensor) are not supported, since the result's shape would depend "
+                            "on their values.")
+        repeats = as_int(repeats, "repeat_interleave: repeats", low=0)
+        if dim is None or self.ndim == 0:
+            if dim is not None:
+                as_dim(dim, 0, op="repeat_interleave", ndim=1)
+            return st.repeat_interleave(self.reshape(-1), repeats=repeats, axis=0)
+        return st.repeat_interleave(self, repeats=repeats,
+                                    axis=as_dim(dim, tuple(self.shape), op="repeat_interleave"))
+
+    def outer(self, vec2):
+        """The outer product of two 1-D tensors, as torch.outer: a broadcasting multiply."""
+        vec2 = as_tensor(vec2)
+        if self.ndim != 1 or vec2.ndim != 1:
+            raise ValueError(f"outer: both operands must be 1-D, got shapes "
+                             f"{tuple(self.shape)} and {tuple(vec2.shape)}; flatten them first "
+                             f"(.reshape(-1)).")
+        return self.reshape(-1, 1) * vec2.reshape(1, -1)
 
     def astype(self, dtype):
         dtype = resolve_dtype(dtype)
@@ -805,3 +894,32 @@ def cat(tensors: Sequence, dim: int = 0):
 def where(condition, x, y):
     _bool_mask(condition, "where")
     return pw.where(condition, x, y)
+
+
+def stack(tensors: Sequence, dim: int = 0):
+    """Join tensors of one shape along a new dim ``dim``, as torch.stack: each gains a dim of
+    size 1 there and they are concatenated (so gradients and placements come from cat)."""
+    if isinstance(tensors, (TensorMethods, np.ndarray)) or not hasattr(tensors, "__iter__"):
+        raise TypeError(f"stack takes a list or tuple of tensors, got a "
+                        f"{type(tensors).__name__}; write stack([a, b], dim).")
+    tensors = [as_tensor(t) for t in tensors]
+    if not tensors:
+        raise ValueError("stack() needs at least one tensor.")
+    shapes = [tuple(t.shape) for t in tensors]
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(f"stack: every tensor must have the same shape, got {shapes}.")
+    axis = as_dim(dim, shapes[0], op="stack", ndim=len(shapes[0]) + 1)
+    return cat([t.unsqueeze(axis) for t in tensors], axis)
+
+
+def _unary_function(name: str):
+    def f(input, *args, **kwargs):
+        return getattr(as_tensor(input), name)(*args, **kwargs)
+    f.__name__ = f.__qualname__ = name
+    f.__doc__ = f"dtensor.{name}(input, ...) is ``input.{name}(...)`` (as torch.{name})."
+    return f
+
+
+cos, sin, rsqrt, sigmoid, abs, clamp, argmax, cumsum, tril, triu, repeat_interleave, outer = (
+    _unary_function(n) for n in ("cos", "sin", "rsqrt", "sigmoid", "abs", "clamp", "argmax",
+                                 "cumsum", "tril", "triu", "repeat_interleave", "outer"))

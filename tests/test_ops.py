@@ -121,6 +121,26 @@ def _np_philox_normal(key, n):
     return dtensor.random.randn(key, np.arange(n, dtype=np.int64))
 
 
+def _np_cumsum(x, axis, reverse):
+    """Running sums as a product with a triangle of ones."""
+    n = x.shape[axis]
+    tri = np.tril(np.ones((n, n))) if reverse else np.triu(np.ones((n, n)))
+    return np.moveaxis(np.moveaxis(x, axis, -1) @ tri, -1, axis)
+
+
+def _np_triangle(x, diagonal, lower):
+    rows, cols = np.arange(x.shape[-2])[:, None], np.arange(x.shape[-1])[None, :]
+    keep = cols - rows <= diagonal if lower else cols - rows >= diagonal
+    return np.where(keep, x, 0.0)
+
+
+def _np_repeat_interleave(x, repeats, axis):
+    copies = np.stack([x] * repeats, axis=axis + 1)
+    shape = list(x.shape)
+    shape[axis] *= repeats
+    return copies.reshape(shape)
+
+
 BIN = [((r(3, 4), r(3, 4)), {}), ((r(3, 4), r(4)), {}), ((r(2, 1, 4), r(3, 1)), {}),
        ((r(3, 4), 2.5), {}), ((1.5, r(3,)), {})]
 CMP = [((r(3, 4), r(4)), {}), ((r(3, 4), 0.0), {})]
@@ -172,6 +192,22 @@ SAMPLES = {
                ((r(5, 3), ints(5, 2, 3)), {"axis": 0})],
     "scatter_add": [((r(4, 3), ints(6, 4, 3), r(4, 6)), {"axis": 1}),
                     ((r(4, 1), ints(6, 4, 1), r(4, 6)), {"axis": 1})],
+    "cos": U, "sin": U, "abs": U, "rsqrt": [((r(3, 4, pos=True),), {})],
+    "sigmoid": [((3 * r(3, 4),), {}), ((np.array([-800.0, -30.0, -1e-3, 0.0, 2.0, 40.0]),), {})],
+    "clamp": [((r(3, 4), -0.5, 0.7), {}), ((r(3, 4), r(4), r(3, 1) + 0.5), {}),
+              ((r(3, 4), 0.5, -0.5), {}),  # min > max: every entry is max, as torch
+              ((r(3, 4), -math.inf, 0.2), {})],
+    "argmax": [((r(3, 4, 5),), {"axis": 1, "keepdims": False}),
+               ((r(3, 4),), {"axis": 0, "keepdims": True}),
+               ((ints(3, 4, 6),), {"axis": 1, "keepdims": False})],  # ties: the first
+    "cumsum": [((r(3, 4, 5),), {"axis": 1, "reverse": False}),
+               ((r(3, 5),), {"axis": 1, "reverse": True})],
+    "repeat_interleave": [((r(3, 4),), {"repeats": 2, "axis": 1}),
+                          ((r(2, 3, 2),), {"repeats": 3, "axis": 0})],
+    "tril": [((r(4, 5),), {"diagonal": 0}), ((r(2, 3, 4),), {"diagonal": -1}),
+             ((r(3, 5),), {"diagonal": 2})],
+    "triu": [((r(4, 5),), {"diagonal": 0}), ((r(2, 3, 4),), {"diagonal": 1}),
+             ((r(5, 3),), {"diagonal": -2})],
     "rand": [((np.empty((3, 4)),), {"key": 123, "dtype": np.dtype(np.float32)})],
     "randn": [((np.empty((5, 3)),), {"key": 2 ** 40 + 7, "dtype": np.dtype(np.float64)})],
     "gelu": [((2 * r(4, 5),), {"approximate": "none"}), ((2 * r(4, 5),), {"approximate": "tanh"})],
@@ -208,6 +244,13 @@ REFERENCE = {
     "index_select": lambda w, idx: w[idx], "index_add": _np_index_add,
     "gather": lambda x, idx, axis: np.take_along_axis(x, idx, axis),
     "scatter_add": _np_scatter_add,
+    "cos": np.cos, "sin": np.sin, "abs": np.fabs, "rsqrt": lambda x: x ** -0.5,
+    "sigmoid": lambda x: np.exp(-np.logaddexp(0.0, -x)),
+    "clamp": np.clip,
+    "argmax": lambda x, axis, keepdims: np.argmax(x, axis, keepdims=keepdims),
+    "cumsum": _np_cumsum, "repeat_interleave": _np_repeat_interleave,
+    "tril": lambda x, diagonal: _np_triangle(x, diagonal, True),
+    "triu": lambda x, diagonal: _np_triangle(x, diagonal, False),
     "rand": lambda like, key, dtype: _np_philox_uniform(key, like.size).reshape(
         like.shape).astype(dtype),
     "randn": lambda like, key, dtype: _np_philox_normal(key, like.size).reshape(
@@ -241,7 +284,7 @@ def _wrap(args, op):
 def test_every_op_is_covered():
     missing = sorted(set(OPS) - set(SAMPLES) | set(OPS) - set(REFERENCE))
     assert not missing, f"ops without registry tests (add SAMPLES and REFERENCE): {missing}"
-    assert 25 <= len(OPS) <= 50, f"the primitive set should stay small; it has {len(OPS)}"
+    assert 25 <= len(OPS) <= 60, f"the primitive set should stay small; it has {len(OPS)}"
 
 
 @pytest.mark.parametrize("name,i", CASES)

@@ -1,6 +1,8 @@
 """Tensor methods PyTorch users type without thinking (pow, type_as, contiguous, softmax(dim),
-unflatten, repeat), against numpy, with gradients against finite differences, and on DTensors
-against the one-process result."""
+unflatten, repeat, float, view, masked_fill, expand, and the methods of issue 19's ops: cos, sin,
+rsqrt, sigmoid, abs, clamp, argmax, cumsum, tril, triu, repeat_interleave, outer), against
+numpy, with gradients against finite differences, and on DTensors against the one-process
+result."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,6 +26,29 @@ CASES = [
     ("unflatten last", lambda t: t.unflatten(-1, (3, 1)), lambda a: a.reshape(2, 6, 3, 1)),
     ("repeat", lambda t: t.repeat(2, 1, 3), lambda a: np.tile(a, (2, 1, 3))),
     ("repeat new dims", lambda t: t.repeat(2, 1, 2, 1), lambda a: np.tile(a, (2, 1, 2, 1))),
+    ("float", lambda t: t.float(), lambda a: a.astype(np.float32)),
+    ("view", lambda t: t.view(2, 3, -1), lambda a: a.reshape(2, 3, 6)),
+    ("masked_fill", lambda t: t.masked_fill(t > 0.5, -2.0), lambda a: np.where(a > 0.5, -2.0, a)),
+    ("expand", lambda t: t[:, :1].expand(-1, 4, -1), lambda a: np.repeat(a[:, :1], 4, 1)),
+    ("cos", lambda t: t.cos(), np.cos),
+    ("sin", lambda t: t.sin(), np.sin),
+    ("rsqrt", lambda t: (t * t + 0.5).rsqrt(), lambda a: (a * a + 0.5) ** -0.5),
+    ("sigmoid", lambda t: t.sigmoid(), lambda a: 1 / (1 + np.exp(-a))),
+    ("abs", lambda t: t.abs(), np.abs),
+    ("clamp", lambda t: t.clamp(-0.5, 0.5), lambda a: np.clip(a, -0.5, 0.5)),
+    ("clamp_min", lambda t: t.clamp_min(0.1), lambda a: np.maximum(a, 0.1)),
+    ("clamp_max", lambda t: t.clamp_max(0.1), lambda a: np.minimum(a, 0.1)),
+    ("argmax", lambda t: t.argmax(1), lambda a: np.argmax(a, 1)),
+    ("argmax dim 0 keepdim", lambda t: t.argmax(0, keepdim=True),
+     lambda a: np.argmax(a, 0, keepdims=True)),
+    ("cumsum", lambda t: t.cumsum(1), lambda a: np.cumsum(a, 1)),
+    ("cumsum dim 0", lambda t: t.cumsum(0), lambda a: np.cumsum(a, 0)),
+    ("tril", lambda t: t.tril(), np.tril),
+    ("triu", lambda t: t.triu(-1), lambda a: np.triu(a, -1)),
+    ("repeat_interleave", lambda t: t.repeat_interleave(2, 1), lambda a: np.repeat(a, 2, 1)),
+    ("repeat_interleave dim 0", lambda t: t.repeat_interleave(3, dim=0),
+     lambda a: np.repeat(a, 3, 0)),
+    ("outer", lambda t: t[0, :, 0].outer(t[1, :, 1]), lambda a: np.outer(a[0, :, 0], a[1, :, 1])),
 ]
 
 

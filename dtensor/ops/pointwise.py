@@ -150,3 +150,57 @@ cast = defop(
     abstract=lambda x, dtype: Aval(x.shape, np.dtype(dtype)),
     vjp=lambda g, out, x, dtype: (cast(g, dtype=x.dtype),),
     linearity="all", shard="pointwise", lower="cast({0}, {dtype})")
+
+
+# ---------------------------------------------------------------- Llama-style models' pointwise
+
+cos = _unary("cos", np.cos, lambda g, out, x: (-(g * sin(x)),), "cos({0})")
+sin = _unary("sin", np.sin, lambda g, out, x: (g * cos(x),), "sin({0})")
+
+
+def _rsqrt_impl(x):
+    with np.errstate(divide="ignore"):  # rsqrt(0) is inf, as torch's, without a warning
+        return 1.0 / np.sqrt(x)
+
+
+# d x^(-1/2) / dx = -x^(-3/2) / 2 = -out^3 / 2
+rsqrt = _unary("rsqrt", _rsqrt_impl,
+               lambda g, out, x: (g * (-0.5) * (out * out * out),), "rsqrt({0})",
+               domain="positive")
+
+
+def _sigmoid_impl(x):
+    # exp(-|x|) never overflows, and e / (1 + e) keeps the relative precision of tiny results
+    # for x << 0 (1 - 1 / (1 + e) would cancel). The C and Triton spellings use the same form.
+    e = np.exp(-np.abs(x))
+    s = 1.0 / (1.0 + e)
+    return np.where(x < 0, e * s, s)
+
+
+sigmoid = _unary("sigmoid", _sigmoid_impl, lambda g, out, x: (g * (out * (1.0 - out)),),
+                 "sigmoid({0})")
+# The subgradient sign(x), 0 at 0 (as torch.abs).
+abs = _unary("abs", np.abs, lambda g, out, x: (where(x > 0, g, 0.0) - where(x < 0, g, 0.0),),
+             "abs({0})")
+
+
+def _clamp_vjp(g, out, x, lo, hi):
+    # out = min(max(x, lo), hi): each element's gradient goes to exactly one of x, lo, hi. With
+    # lo > hi every element is hi (as torch.clamp). Ties go to x, as torch's.
+    def gx():
+        return where(x < lo, 0.0, where(x > hi, 0.0, g))
+
+    def glo():
+        return unbroadcast(where(x < lo, where(lo <= hi, g, 0.0), 0.0), _shape(lo))
+
+    def ghi():
+        return unbroadcast(where(x > hi, g, where(lo > hi, g, 0.0)), _shape(hi))
+    return gx, glo, ghi
+
+
+# clamp(x, lo, hi): the Tensor method passes the dtype's extreme value for a missing bound, so
+# clamp(min=0) of an int tensor stays int.
+clamp = defop(
+    "clamp", impl=lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi),
+    abstract=pointwise_abstract, vjp=_clamp_vjp, linearity="none", shard="pointwise",
+    lower="clamp({0}, {1}, {2})")

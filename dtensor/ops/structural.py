@@ -72,6 +72,44 @@ max = defop(
     abstract=lambda x, axis, keepdims: Aval(_reduced_shape(x.shape, axis, keepdims), x.dtype),
     vjp=_max_vjp, linearity="none", shard="reduce", lower="reduce:max")
 
+
+
+def _argmax_abstract(x, axis, keepdims):
+    return Aval(_reduced_shape(x.shape, (axis,), keepdims), np.dtype(np.int64))
+
+
+# The index of the first largest entry along ``axis`` (NaN counts as largest), as torch.argmax.
+# Every index reads the whole dim, so its rule keeps that dim whole: a shard of it is gathered
+# first (per-rank maxima and offsets would need a reduction no Partial expresses).
+argmax = defop(
+    "argmax",
+    impl=lambda x, axis, keepdims: np.argmax(x, axis=axis, keepdims=keepdims).astype(np.int64),
+    abstract=_argmax_abstract, shard="along", lower="extern:argmax")
+
+
+def _cumsum_dtype(dtype) -> np.dtype:
+    # Integers and bools sum in the platform integer (as numpy and torch); narrow floats in
+    # float32, rounded once per element (as sum's).
+    dtype = np.dtype(dtype)
+    return np.cumsum(np.zeros(1, dtype)).dtype if dtype.kind in "biu" else dtype
+
+
+def _cumsum_impl(x, axis, reverse):
+    acc = accumulate_dtype(x.dtype) if x.dtype.kind == "f" else _cumsum_dtype(x.dtype)
+    if reverse:
+        x = np.flip(x, axis)
+    out = np.cumsum(x, axis=axis, dtype=acc).astype(_cumsum_dtype(x.dtype), copy=False)
+    return np.flip(out, axis) if reverse else out
+
+
+# Running sums along ``axis``; ``reverse`` sums from the end (as jax.lax.cumsum), which is the
+# vjp: d out_j / d x_i = [i <= j], so x_i's gradient is the sum of g_j over j >= i.
+cumsum = defop(
+    "cumsum", impl=_cumsum_impl,
+    abstract=lambda x, axis, reverse: Aval(tuple(x.shape), _cumsum_dtype(x.dtype)),
+    vjp=lambda g, out, x, axis, reverse: (cumsum(g, axis=axis, reverse=not reverse),),
+    linearity="all", shard="along", lower="extern:cumsum")
+
 # ---------------------------------------------------------------- shape ops
 
 reshape = defop(
@@ -140,6 +178,41 @@ def _cat_vjp(g, out, *xs, axis):
 cat = defop(
     "cat", impl=lambda *xs, axis: np.concatenate(xs, axis=axis), abstract=_cat_abstract,
     vjp=_cat_vjp, linearity="all", shard="cat", lower="extern:cat")
+
+# Each entry of x repeated ``repeats`` times along ``axis`` (torch.repeat_interleave with an
+# int): the gradient sums each run of copies.
+def _repeat_interleave_vjp(g, out, x, repeats, axis):
+    s = tuple(x.shape)
+    return (g.reshape(s[:axis + 1] + (repeats,) + s[axis + 1:]).sum(axis=(axis + 1,)),)
+
+
+repeat_interleave = defop(
+    "repeat_interleave", impl=lambda x, repeats, axis: np.repeat(x, repeats, axis=axis),
+    abstract=lambda x, repeats, axis: Aval(
+        tuple(n * repeats if d == axis else n for d, n in enumerate(x.shape)), x.dtype),
+    vjp=_repeat_interleave_vjp, linearity="all", shard="along",
+    lower="extern:repeat_interleave")
+
+
+def _tri_abstract(x, diagonal):
+    if len(x.shape) < 2:
+        raise ValueError(f"tril/triu: the input must have at least 2 dims (a batch of "
+                         f"matrices), got shape {tuple(x.shape)}.")
+    return Aval(tuple(x.shape), x.dtype)
+
+
+# The lower / upper triangle of the last two dims (entries with col - row <= / >= diagonal),
+# zeros elsewhere. Masks are their own vjp. A triangle depends on where a block sits in the
+# matrix, so the rule keeps the last two dims whole.
+tril = defop(
+    "tril", impl=lambda x, diagonal: np.tril(x, diagonal), abstract=_tri_abstract,
+    vjp=lambda g, out, x, diagonal: (tril(g, diagonal=diagonal),),
+    linearity="all", shard="matrix", lower="extern:tril")
+
+triu = defop(
+    "triu", impl=lambda x, diagonal: np.triu(x, diagonal), abstract=_tri_abstract,
+    vjp=lambda g, out, x, diagonal: (triu(g, diagonal=diagonal),),
+    linearity="all", shard="matrix", lower="extern:triu")
 
 # ---------------------------------------------------------------- contraction
 
@@ -359,5 +432,6 @@ def _flat_offsets(shape):
     return np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
 
 
-__all__ = ["sum", "max", "reshape", "permute", "broadcast_to", "getitem", "slice_scatter", "cat",
-           "matmul", "index_select", "index_add", "gather", "scatter_add", "rand", "randn"]
+__all__ = ["sum", "max", "argmax", "cumsum", "reshape", "permute", "broadcast_to", "getitem",
+           "slice_scatter", "cat", "repeat_interleave", "tril", "triu", "matmul", "index_select",
+           "index_add", "gather", "scatter_add", "rand", "randn"]

@@ -556,7 +556,19 @@ def _randn_local(like, key, dtype, *, in_specs, out_spec):
     return random.normal(key, _block_offsets(out_spec), dtype)
 
 
-_LOCAL = {"index_select": _index_select_local, "index_add": _index_add_local,
+def _group_sum_local(g, repeats, axis, *, in_specs, out_spec):
+    off, n = _rows(in_specs[0], axis)
+    shape = _local_block(out_spec)[0]
+    if shape[axis] * repeats == n:  # the block's own groups (a sharded result)
+        return structural.group_sum.impl(g, repeats, axis)
+    # a Partial result: this block's members summed into the groups they belong to
+    out = np.zeros(shape, g.dtype)
+    np.add.at(np.moveaxis(out, axis, 0), (off + np.arange(n)) // repeats,
+              np.moveaxis(g, axis, 0))
+    return out
+
+
+_LOCAL = {"index_select": _index_select_local, "group_sum": _group_sum_local, "index_add": _index_add_local,
           "gather": _gather_local, "scatter_add": _scatter_add_local, "max": _max_local,
           "rand": _rand_local,
           "randn": _randn_local}

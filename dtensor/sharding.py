@@ -186,13 +186,33 @@ def _cat(avals, params, out, *_):
 
 
 def _along(avals, params, out, *_):
-    # Ops along one dim (argmax, cumsum, repeat_interleave): every result there reads the whole
+    # Ops along one dim (argmax, cumsum): every result there reads the whole
     # dim, so it stays whole (a shard of it is gathered); the other dims keep their shards, one
     # lower past a dim argmax drops.
     x, axis = avals[0], params["axis"]
     drop = len(out.shape) < len(x.shape)
     return [([Shard(d)], Shard(d - 1 if drop and d > axis else d))
             for d in range(len(x.shape)) if d != axis] + [([R], R)]
+
+
+def _repeat(avals, params, out, op, current, pieces):
+    # repeat_interleave: a dim split evenly stays sharded along the repeats (each rank repeats
+    # its own entries, which is its block of the result); other dims keep their shards.
+    x, axis = avals[0], params["axis"]
+    cands = [([Shard(d)], Shard(d)) for d in range(len(x.shape)) if d != axis]
+    if x.shape[axis] % pieces == 0:
+        cands.insert(0, ([Shard(axis)], Shard(axis)))
+    return cands + [([R], R)]
+
+
+def _group_sum(avals, params, out, op, current, pieces):
+    # repeat_interleave's adjoint: a shard of whole groups stays sharded; a shard that cuts
+    # groups sums what it holds into the groups it touches, a Partial sum.
+    g, axis = avals[0], params["axis"]
+    cands = [([Shard(d)], Shard(d)) for d in range(len(g.shape)) if d != axis]
+    cands.insert(0, ([Shard(axis)], Shard(axis) if out.shape[axis] % pieces == 0 else
+                     Partial("sum")))
+    return cands + [([R], R)]
 
 
 def _matrix(avals, params, out, *_):
@@ -261,7 +281,7 @@ RULES = {
     "index_select": _index_select, "index_add": _index_add, "gather": _gather,
     "scatter_add": _scatter_add, "rowwise": _rowwise,
     "pointwise_stacked": _pointwise_stacked, "reduce": _reduce, "factory": _factory,
-    "along": _along, "matrix": _matrix,
+    "along": _along, "matrix": _matrix, "repeat": _repeat, "group_sum": _group_sum,
 }
 
 
@@ -294,7 +314,8 @@ def _linear_candidates(op, avals, current):
 
 def _candidates(op, avals, params, out, current, mesh_size):
     """Candidates on one mesh dim. ``mesh_size`` is the number of pieces the sharded dims are
-    cut into (for reshape: the product over every mesh dim sharding that tensor dim)."""
+    cut into (for reshape, repeat_interleave and group_sum: the product over every mesh dim
+    sharding that tensor dim)."""
     rule = RULES.get(op.shard)
     if rule is None:
         raise NotImplementedError(
@@ -328,7 +349,7 @@ def propagate(op, avals, params, placements, out, mesh) -> Strategy:
         n = mesh.shape[m]
         current = [None if p is None else p[m] for p in placements]
         pieces = n
-        if op.shard == "reshape" and isinstance(current[0], Shard):
+        if op.shard in ("reshape", "repeat", "group_sum") and isinstance(current[0], Shard):
             pieces = int(np.prod([mesh.shape[k] for k, p in enumerate(placements[0])
                                   if p == current[0]]))
         best, best_cost = None, (float("inf"), 0)

@@ -204,6 +204,8 @@ SAMPLES = {
                ((r(3, 5),), {"axis": 1, "reverse": True})],
     "repeat_interleave": [((r(3, 4),), {"repeats": 2, "axis": 1}),
                           ((r(2, 3, 2),), {"repeats": 3, "axis": 0})],
+    "group_sum": [((r(3, 8),), {"repeats": 2, "axis": 1}),
+                  ((r(6, 3, 2),), {"repeats": 3, "axis": 0})],
     "tril": [((r(4, 5),), {"diagonal": 0}), ((r(2, 3, 4),), {"diagonal": -1}),
              ((r(3, 5),), {"diagonal": 2})],
     "triu": [((r(4, 5),), {"diagonal": 0}), ((r(2, 3, 4),), {"diagonal": 1}),
@@ -249,6 +251,8 @@ REFERENCE = {
     "clamp": np.clip,
     "argmax": lambda x, axis, keepdims: np.argmax(x, axis, keepdims=keepdims),
     "cumsum": _np_cumsum, "repeat_interleave": _np_repeat_interleave,
+    "group_sum": lambda g, repeats, axis: np.add.reduceat(
+        g, np.arange(0, g.shape[axis], repeats), axis=axis),
     "tril": lambda x, diagonal: _np_triangle(x, diagonal, True),
     "triu": lambda x, diagonal: _np_triangle(x, diagonal, False),
     "rand": lambda like, key, dtype: _np_philox_uniform(key, like.size).reshape(

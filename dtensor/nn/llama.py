@@ -306,7 +306,8 @@ class Llama(Module):
                                  f"{', '.join(bad)}; column-parallel projections give each rank "
                                  f"whole heads and equal shares. Pick tp from the common "
                                  f"divisors.")
-        return llama_tp_plan(sequence_parallel, loss_parallel)
+        shared = tp is not None and tp > c.n_kv_heads
+        return llama_tp_plan(sequence_parallel, loss_parallel, shared_kv=shared)
 
 
 def _hf_to_ours(name: str) -> str | None:
@@ -323,11 +324,18 @@ def _ours_to_hf(path: str) -> str:
 _HF_NAMES = NameMap(_hf_to_ours, _ours_to_hf)
 
 
-def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True) -> dict:
+def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True,
+                  shared_kv: bool = False) -> dict:
     """torchtitan's Llama tensor-parallel plan, in this module's names: q/k/v and gate/up
     column-parallel, o/down row-parallel, the embedding vocab-parallel (rowwise over its
     vocabulary rows), lm_head column-parallel with the vocab-parallel loss; norms replicated, or
-    sequence-parallel (Shard(1) residual stream) with ``sequence_parallel``."""
+    sequence-parallel (Shard(1) residual stream) with ``sequence_parallel``.
+
+    ``shared_kv`` (more tensor-parallel ranks than key/value heads): k and v projections stay
+    replicated, as Megatron replicates key/value heads across the ranks that share them. Each
+    rank computes the key/value heads and attention reads those of its own query heads (a local
+    slice, no communication); their gradients come back as partial sums, so the backward adds
+    one all-reduce per projection weight and nothing activation-sized."""
     from dtensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                   RowwiseParallel, SequenceParallel)
     stream = Shard(1) if sequence_parallel else Replicate()
@@ -350,6 +358,8 @@ def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True) -
                                    output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                    use_local_output=False),
     }
+    if shared_kv:
+        del plan["layers.*.self_attn.k_proj"], plan["layers.*.self_attn.v_proj"]
     if sequence_parallel:
         for key in ("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm"):
             plan[key] = SequenceParallel()

@@ -181,17 +181,33 @@ cat = defop(
 
 # Each entry of x repeated ``repeats`` times along ``axis`` (torch.repeat_interleave with an
 # int): the gradient sums each run of copies.
-def _repeat_interleave_vjp(g, out, x, repeats, axis):
-    s = tuple(x.shape)
-    return (g.reshape(s[:axis + 1] + (repeats,) + s[axis + 1:]).sum(axis=(axis + 1,)),)
-
-
 repeat_interleave = defop(
     "repeat_interleave", impl=lambda x, repeats, axis: np.repeat(x, repeats, axis=axis),
     abstract=lambda x, repeats, axis: Aval(
         tuple(n * repeats if d == axis else n for d, n in enumerate(x.shape)), x.dtype),
-    vjp=_repeat_interleave_vjp, linearity="all", shard="along",
-    lower="extern:repeat_interleave")
+    vjp=lambda g, out, x, repeats, axis: (group_sum(g, repeats=repeats, axis=axis),),
+    linearity="all", shard="repeat", lower="extern:repeat_interleave")
+
+
+def _group_sum_impl(g, repeats, axis):
+    s = g.shape
+    return g.reshape(s[:axis] + (s[axis] // repeats, repeats) + s[axis + 1:]).sum(axis=axis + 1)
+
+
+def _group_sum_abstract(g, repeats, axis):
+    if g.shape[axis] % repeats:
+        raise ValueError(f"group_sum: dim {axis} of size {g.shape[axis]} is not a whole number "
+                         f"of groups of {repeats}.")
+    return Aval(tuple(n // repeats if d == axis else n for d, n in enumerate(g.shape)), g.dtype)
+
+
+# repeat_interleave's adjoint: each run of ``repeats`` entries along ``axis`` summed. Its own
+# op (not a reshape + sum) so a shard that cuts the runs (grouped-query attention with more
+# tensor-parallel ranks than key/value heads) sums what it holds into a Partial, no gathering.
+group_sum = defop(
+    "group_sum", impl=_group_sum_impl, abstract=_group_sum_abstract,
+    vjp=lambda g, out, x, repeats, axis: (repeat_interleave(g, repeats=repeats, axis=axis),),
+    linearity="all", shard="group_sum", lower="extern:group_sum")
 
 
 def _tri_abstract(x, diagonal):
@@ -433,5 +449,5 @@ def _flat_offsets(shape):
 
 
 __all__ = ["sum", "max", "argmax", "cumsum", "reshape", "permute", "broadcast_to", "getitem",
-           "slice_scatter", "cat", "repeat_interleave", "tril", "triu", "matmul", "index_select",
+           "slice_scatter", "cat", "repeat_interleave", "group_sum", "tril", "triu", "matmul", "index_select",
            "index_add", "gather", "scatter_add", "rand", "randn"]

@@ -568,9 +568,9 @@ def _group_sum_local(g, repeats, axis, *, in_specs, out_spec):
     return out
 
 
-_LOCAL = {"index_select": _index_select_local, "group_sum": _group_sum_local, "index_add": _index_add_local,
+_LOCAL = {"index_select": _index_select_local, "index_add": _index_add_local,
           "gather": _gather_local, "scatter_add": _scatter_add_local, "max": _max_local,
-          "rand": _rand_local,
+          "group_sum": _group_sum_local, "rand": _rand_local,
           "randn": _randn_local}
 
 registry.register_interpreter(DTensor, _interpret, _convert)

@@ -449,5 +449,5 @@ def _flat_offsets(shape):
 
 
 __all__ = ["sum", "max", "argmax", "cumsum", "reshape", "permute", "broadcast_to", "getitem",
-           "slice_scatter", "cat", "repeat_interleave", "group_sum", "tril", "triu", "matmul", "index_select",
-           "index_add", "gather", "scatter_add", "rand", "randn"]
+           "slice_scatter", "cat", "repeat_interleave", "group_sum", "tril", "triu", "matmul",
+           "index_select", "index_add", "gather", "scatter_add", "rand", "randn"]

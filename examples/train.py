@@ -1,6 +1,6 @@
-"""Train a character-level GPT on English text that every Python install carries: the standard
-library's own docstrings, gathered deterministically (sorted files, parsed with ast, never
-imported).
+"""Train a character-level GPT (or Llama) on English text that every Python install carries: the
+standard library's own docstrings, gathered deterministically (sorted files, parsed with ast,
+never imported).
 
     python examples/train.py                        # one process; loss ~4.6 -> ~2.1
     dtlaunch --nproc 8 examples/train.py            # 2-D mesh: dp=4 x tp=2, the same loss curve
@@ -10,6 +10,10 @@ imported).
     python examples/train.py --save-every 100       # sharded checkpoints in checkpoints/train
     dtlaunch --nproc 4 examples/train.py --resume checkpoints/train   # continue, any layout
     python examples/train.py --steps 100 --n-layer 2
+    python examples/train.py --model llama          # dtensor.nn.Llama; every layout above too
+    dtlaunch --nproc 4 examples/train.py --model llama --n-head 8 --kv-heads 2 --sp
+    python examples/train.py --model llama --save-pretrained out/llama   # a Hugging Face folder
+    dtlaunch --nproc 2 examples/train.py --model llama --init-from out/llama   # start from it
     python examples/train.py --expect-val-loss 2.5  # self-check: exit 1 unless val loss < 2.5
     python examples/train.py --help
 
@@ -23,7 +27,13 @@ A run that trains as asked exits 0 and prints a sample. Flags that cannot run to
 without tensor-parallel ranks, --fsdp without data-parallel ones, --backend without --compile, a
 layout that needs another --nproc) exit 2 at once with the command to run instead.
 
-Every flag maps to a field of TrainConfig; the model is dtensor.nn.GPT.
+--init-from reads a Hugging Face Llama folder (config.json + *.safetensors) with
+Llama.from_pretrained, each rank only its own slices; its config.json sizes the model, and its
+vocabulary must be the corpus's characters (a folder --save-pretrained wrote for the same
+--corpus-chars). The learning rate warms up linearly to --lr, then decays along a cosine to
+--min-lr (dtensor.optim.lr_scheduler.LambdaLR).
+
+Every flag maps to a field of TrainConfig; the model is dtensor.nn.GPT or dtensor.nn.Llama.
 """
 from __future__ import annotations
 
@@ -513,8 +523,11 @@ def main(argv: list[str] | None = None) -> float:
             return float("nan")
 
     val = evaluate(model, data, cfg)
+    # A compiled step traces twice (before and after AdamW's state exists); the schedule's
+    # lrs are runtime values of those two graphs, never a reason to trace again.
     print_(f"final: train loss {loss_val:.4f}, val loss {val:.4f}, "
-           f"{time.perf_counter() - t0:.0f}s total")
+           f"{time.perf_counter() - t0:.0f}s total"
+           + (f", {step_fn.compiles} compiled graphs" if cfg.compile else ""))
     if cfg.save_pretrained:
         model.save_pretrained(cfg.save_pretrained)  # collective: every rank gives its blocks
         print_(f"saved {cfg.save_pretrained} (--init-from reads it)", flush=True)

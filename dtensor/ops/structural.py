@@ -168,8 +168,9 @@ def _cat_vjp(g, out, *xs, axis):
     grads, start = [], 0
     for x in xs:
         stop = start + x.shape[axis]
-        key = tuple((None, None, None) if d != axis else (start, stop, 1)
-                                  for d in range(g.ndim))
+        # canonical full slices (0, n, 1): the getitem rule keeps a shard of a full dim
+        key = tuple((0, g.shape[d], 1) if d != axis else (start, stop, 1)
+                    for d in range(g.ndim))
         grads.append(getitem(g, key=key))
         start = stop
     return tuple(grads)

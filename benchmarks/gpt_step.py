@@ -46,8 +46,7 @@ def step_flops(model, batch: int, seq: int) -> float:
     """6 x non-embedding params x tokens + 12 x n_layer x C x T x tokens (attention), C the
     attention width (heads x head size). For the standard GPT: 27.41 GFLOP."""
     c = model.config
-    layers = c.n_layer if hasattr(c, "n_layer") else c.n_layers
-    width = c.n_embd if hasattr(c, "n_embd") else c.n_heads * c.head_dim
+    layers, _, width = _dims(c)
     tokens = batch * seq
     return 6.0 * model.num_params(non_embedding=True) * tokens + 12.0 * layers * width * seq * \
         tokens
@@ -68,15 +67,15 @@ def numpy_matmul_gflops(reps: int = 5) -> float:
     return 2 * 1024 * 256 * 4096 / statistics.median(times) / 1e9
 
 
-def megatron_traffic(n_layer: int, width: int, sp_grads: int, batch: int, seq: int, tp: int,
-                     dp: int, sp: bool, fsdp: bool, param_bytes: int):
+def megatron_traffic(n_layer: int, width: int, sp_grads: tuple[int, int], batch: int, seq: int,
+                     tp: int, dp: int, sp: bool, fsdp: bool, param_bytes: int):
     """Megatron-LM's collectives per rank per step for this layout: (bytes, counts) by kind, in
     the debug counter's convention (all_reduce and reduce_scatter: input bytes; all_gather:
     gathered bytes), one collective per tensor (no bucketing).
 
-    ``sp_grads``: elements of the replicated parameters whose gradients come from sequence
-    shards under sequence parallelism (norm weights and biases, a position embedding), each
-    all-reduced; ``param_bytes``: this rank's parameter bytes when whole over "dp" (its "tp"
+    ``sp_grads``: (elements, tensors) of the replicated parameters whose gradients come from
+    sequence shards under sequence parallelism (norm weights and biases, a position embedding),
+    each all-reduced; ``param_bytes``: this rank's parameter bytes when whole over "dp" (its "tp"
     shards); ``width``: the residual stream's.
     """
     L, C, item = n_layer, width, 4
@@ -91,7 +90,8 @@ def megatron_traffic(n_layer: int, width: int, sp_grads: int, batch: int, seq: i
             out["reduce_scatter"] += 2 * (2 * L + 1) * act
             n["all_gather"] += 2 * (2 * L + 1)
             n["reduce_scatter"] += 2 * (2 * L + 1)
-            out["all_reduce"] += sp_grads * item
+            out["all_reduce"] += sp_grads[0] * item
+            n["all_reduce"] += sp_grads[1]
         else:  # per block 2 all-reduces forward + 2 backward; embedding forward; lm_head backward
             out["all_reduce"] += (4 * L + 2) * act
             n["all_reduce"] += 4 * L + 2
@@ -118,12 +118,21 @@ def _model(args):
         hidden_dim=688, max_seq_len=args.seq)
 
 
-def _sp_grads(cfg, seq: int) -> int:
-    """Replicated parameters trained from sequence shards: norms (LayerNorm weight and bias,
-    RMSNorm weight) and GPT's position embedding."""
+def _dims(cfg) -> tuple[int, int, int]:
+    """(layers, residual stream width, attention width) of a GPT or Llama config."""
     if isinstance(cfg, dtensor.nn.GPTConfig):
-        return (2 * cfg.n_layer + 1) * 2 * cfg.n_embd + seq * cfg.n_embd
-    return (2 * cfg.n_layers + 1) * cfg.dim
+        return cfg.n_layer, cfg.n_embd, cfg.n_embd
+    return cfg.n_layers, cfg.dim, cfg.n_heads * cfg.head_dim
+
+
+def _sp_grads(cfg, seq: int) -> tuple[int, int]:
+    """(elements, tensors) of the replicated parameters trained from sequence shards: norms
+    (LayerNorm weight and bias, RMSNorm weight) and GPT's position embedding."""
+    layers, width, _ = _dims(cfg)
+    norms = 2 * layers + 1
+    if isinstance(cfg, dtensor.nn.GPTConfig):
+        return norms * 2 * width + seq * width, 2 * norms + 1
+    return norms * width, norms
 
 
 def main() -> None:
@@ -247,8 +256,7 @@ def main() -> None:
         whole_dp = sum(4 * math.prod(local_shape_and_offset(
             p.shape, (dtensor.Replicate(), p.placements[1]), mesh.shape,
             mesh.get_coordinate())[0]) for p in model.parameters())
-        layers = cfg.n_layer if args.model == "gpt" else cfg.n_layers
-        width = cfg.n_embd if args.model == "gpt" else cfg.dim
+        layers, width, _ = _dims(cfg)
         expect, counts = megatron_traffic(
             layers, width, _sp_grads(cfg, args.seq), args.batch, args.seq, args.tp, args.dp,
             args.sp, args.fsdp, whole_dp)

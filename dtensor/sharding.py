@@ -35,7 +35,8 @@ def _is_scalar(a) -> bool:
 # ----------------------------------------------------------------------------- rules
 # rule(avals, params, out, op, current, pieces) -> [(ins, out_placement)], ins aligned with the
 # args (None = scalar). ``current``: the args' placements on this mesh dim; ``pieces``: how many
-# pieces a sharded dim is cut into (reshape's divisibility). Most rules need neither.
+# pieces the first input's sharded dim is cut into, over every mesh dim that shards it (for
+# divisibility tests). Most rules need neither.
 
 
 def _pointwise(avals, params, out, *_):
@@ -313,9 +314,8 @@ def _linear_candidates(op, avals, current):
 
 
 def _candidates(op, avals, params, out, current, mesh_size):
-    """Candidates on one mesh dim. ``mesh_size`` is the number of pieces the sharded dims are
-    cut into (for reshape, repeat_interleave and group_sum: the product over every mesh dim
-    sharding that tensor dim)."""
+    """Candidates on one mesh dim. ``mesh_size`` is the number of pieces the first input's
+    sharded dim is cut into (the product over every mesh dim sharding that tensor dim)."""
     rule = RULES.get(op.shard)
     if rule is None:
         raise NotImplementedError(
@@ -348,8 +348,10 @@ def propagate(op, avals, params, placements, out, mesh) -> Strategy:
     for m in range(mesh.ndim):
         n = mesh.shape[m]
         current = [None if p is None else p[m] for p in placements]
+        # A dim sharded over several mesh dims is cut into the product of their sizes: what a
+        # rule's divisibility test (reshape, repeat_interleave, group_sum) must see.
         pieces = n
-        if op.shard in ("reshape", "repeat", "group_sum") and isinstance(current[0], Shard):
+        if isinstance(current[0], Shard):
             pieces = int(np.prod([mesh.shape[k] for k, p in enumerate(placements[0])
                                   if p == current[0]]))
         best, best_cost = None, (float("inf"), 0)

@@ -870,13 +870,19 @@ def randn(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, pla
     return _random(st.randn, shape, dtype, requires_grad, device_mesh, placements)
 
 
-def cat(tensors: Sequence, dim: int = 0):
+def _tensor_list(tensors, op: str) -> list:
+    """cat's and stack's first argument: a non-empty list or tuple of tensors."""
     if isinstance(tensors, (TensorMethods, np.ndarray)) or not hasattr(tensors, "__iter__"):
-        raise TypeError(f"cat takes a list or tuple of tensors, got a {type(tensors).__name__}; "
-                        f"write cat([a, b], dim).")
+        raise TypeError(f"{op} takes a list or tuple of tensors, got a "
+                        f"{type(tensors).__name__}; write {op}([a, b], dim).")
     tensors = [as_tensor(t) for t in tensors]
     if not tensors:
-        raise ValueError("cat() needs at least one tensor.")
+        raise ValueError(f"{op}() needs at least one tensor.")
+    return tensors
+
+
+def cat(tensors: Sequence, dim: int = 0):
+    tensors = _tensor_list(tensors, "cat")
     nd = tensors[0].ndim
     if nd == 0:
         raise ValueError(f"cat: 0-d tensors have no dim to join along (shapes "
@@ -899,12 +905,7 @@ def where(condition, x, y):
 def stack(tensors: Sequence, dim: int = 0):
     """Join tensors of one shape along a new dim ``dim``, as torch.stack: each gains a dim of
     size 1 there and they are concatenated (so gradients and placements come from cat)."""
-    if isinstance(tensors, (TensorMethods, np.ndarray)) or not hasattr(tensors, "__iter__"):
-        raise TypeError(f"stack takes a list or tuple of tensors, got a "
-                        f"{type(tensors).__name__}; write stack([a, b], dim).")
-    tensors = [as_tensor(t) for t in tensors]
-    if not tensors:
-        raise ValueError("stack() needs at least one tensor.")
+    tensors = _tensor_list(tensors, "stack")
     shapes = [tuple(t.shape) for t in tensors]
     if any(s != shapes[0] for s in shapes):
         raise ValueError(f"stack: every tensor must have the same shape, got {shapes}.")

@@ -131,34 +131,44 @@ class GPT(Module):
         return n - self.wte.weight.numel() - self.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None):
-        idx = as_tensor(idx)
-        if idx.ndim != 2:
-            raise ValueError(f"GPT: idx must be token ids of shape (batch, sequence), got shape "
-                             f"{tuple(idx.shape)}; a single sequence is idx[None].")
-        B, T_ = idx.shape
-        if T_ > self.config.block_size:
-            raise ValueError(f"GPT: sequence length {T_} exceeds block_size "
-                             f"{self.config.block_size}.")
-        pos = arange(T_, dtype=np.int64)
+        idx = token_ids(idx, "GPT", self.config.block_size, "block_size")
+        pos = arange(idx.shape[1], dtype=np.int64)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
-        loss = None
-        if targets is not None:
-            V = logits.shape[-1]
-            targets = as_tensor(targets)
-            if tuple(targets.shape) != tuple(idx.shape):  # checked before the flattening
-                raise ValueError(f"GPT: targets of shape {tuple(targets.shape)} must match idx "
-                                 f"of shape {tuple(idx.shape)}: one next token per position.")
-            loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
-        return logits, loss
+        return logits, next_token_loss(logits, idx, targets, "GPT")
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None) -> np.ndarray:
         """Sample continuations of ``idx`` (B, T); draws come from the counter-based RNG.
         ``temperature`` 0 picks the most likely token."""
         return sample(self, idx, max_new_tokens, self.config.block_size, temperature, top_k)
+
+
+def token_ids(idx, model: str, context: int, context_name: str):
+    """A language model's (batch, sequence) input, checked against its context length."""
+    idx = as_tensor(idx)
+    if idx.ndim != 2:
+        raise ValueError(f"{model}: idx must be token ids of shape (batch, sequence), got shape "
+                         f"{tuple(idx.shape)}; a single sequence is idx[None].")
+    if idx.shape[1] > context:
+        raise ValueError(f"{model}: sequence length {idx.shape[1]} exceeds {context_name} "
+                         f"{context}.")
+    return idx
+
+
+def next_token_loss(logits, idx, targets, model: str):
+    """Mean cross-entropy of (B, T, V) logits against the next tokens (B, T); None without
+    targets."""
+    if targets is None:
+        return None
+    targets = as_tensor(targets)
+    if tuple(targets.shape) != tuple(idx.shape):  # checked before the flattening
+        raise ValueError(f"{model}: targets of shape {tuple(targets.shape)} must match idx of "
+                         f"shape {tuple(idx.shape)}: one next token per position.")
+    V = logits.shape[-1]
+    return F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
 
 
 def sample(model, idx, max_new_tokens: int, context: int, temperature: float = 1.0,

@@ -15,15 +15,17 @@ __all__ = ["Linear", "Embedding", "LayerNorm", "RMSNorm", "Dropout", "GELU", "Re
            "Identity", "CrossEntropyLoss", "RotaryEmbedding", "apply_rotary"]
 
 
+def _initial(shape, dtype, make):
+    """A new parameter's values, ``make()``, or a placeholder under nn.init.empty_parameters()."""
+    return init.placeholder(shape, dtype) if init.building_empty() else make()
+
+
 def _uniform(shape, bound, dtype):
-    if init.building_empty():
-        return init.placeholder(shape, dtype)
-    return rand(*shape, dtype=dtype) * (2 * bound) - bound
+    return _initial(shape, dtype, lambda: rand(*shape, dtype=dtype) * (2 * bound) - bound)
 
 
 def _filled(shape, value, dtype):
-    return init.placeholder(shape, dtype) if init.building_empty() else \
-        np.full(shape, value, dtype)
+    return _initial(shape, dtype, lambda: np.full(shape, value, dtype))
 
 
 class Linear(Module):
@@ -55,9 +57,9 @@ class Embedding(Module):
         num_embeddings = as_int(num_embeddings, "Embedding: num_embeddings", low=0)
         embedding_dim = as_int(embedding_dim, "Embedding: embedding_dim", low=0)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = Parameter(init.placeholder((num_embeddings, embedding_dim), dtype)
-                                if init.building_empty() else
-                                randn(num_embeddings, embedding_dim, dtype=dtype))
+        self.weight = Parameter(_initial((num_embeddings, embedding_dim), dtype,
+                                         lambda: randn(num_embeddings, embedding_dim,
+                                                       dtype=dtype)))
 
     def forward(self, idx):
         return F.embedding(idx, self.weight)

@@ -17,12 +17,12 @@ import numpy as np
 
 from dtensor.nn import functional as F
 from dtensor.nn import init
-from dtensor.nn.gpt import sample
+from dtensor.nn.gpt import next_token_loss, sample, token_ids
 from dtensor.nn.hf import NameMap, load_safetensors, save_safetensors
 from dtensor.nn.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from dtensor.nn.module import Module, ModuleList
 from dtensor.placements import Replicate, Shard
-from dtensor.tensor import arange, as_tensor
+from dtensor.tensor import arange
 from dtensor.validate import as_bool, as_int, as_real
 
 __all__ = ["LlamaConfig", "Llama", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer",
@@ -71,10 +71,6 @@ class LlamaConfig:
         self.init_std = as_real(self.init_std, "LlamaConfig: init_std", low=0)
         self.tie_embeddings = as_bool(self.tie_embeddings, "LlamaConfig: tie_embeddings")
 
-    @property
-    def block_size(self) -> int:  # the context length, as GPTConfig names it
-        return self.max_seq_len
-
     # -- Hugging Face config.json
     @classmethod
     def from_hf(cls, hf: dict) -> "LlamaConfig":
@@ -88,13 +84,10 @@ class LlamaConfig:
             raise ValueError(f"config.json: field(s) {unknown} are not supported by "
                              f"dtensor.nn.Llama (it implements: {sorted(_HF_FIELDS)}, with "
                              f"{sorted(_HF_CHECKED)} at their Llama defaults).")
-        for key, ok in _HF_CHECKED.items():
+        for key, (ok, why) in _HF_CHECKED.items():
             if key in hf and not ok(hf[key]):
                 raise ValueError(f"config.json: {key}={hf[key]!r} is not supported by "
-                                 f"dtensor.nn.Llama ({_HF_CHECKED_WHY[key]}).")
-        if hf.get("model_type", "llama") != "llama":
-            raise ValueError(f"config.json: model_type={hf['model_type']!r}; dtensor.nn.Llama "
-                             f"reads 'llama' checkpoints.")
+                                 f"dtensor.nn.Llama ({why}).")
         missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                "num_attention_heads") if k not in hf]
         if missing:
@@ -121,25 +114,19 @@ _HF_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_laye
               "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta",
               "max_position_embeddings": "max_seq_len",
               "tie_word_embeddings": "tie_embeddings", "initializer_range": "init_std"}
-# Fields that change the computation: accepted at the values this model implements.
+# Fields that change the computation: accepted at the values this model implements, and why.
 _HF_CHECKED = {
-    "hidden_act": lambda v: v == "silu",
-    "attention_bias": lambda v: v is False,
-    "mlp_bias": lambda v: v is False,
-    "rope_scaling": lambda v: v is None,
-    "rope_parameters": lambda v: v is None or (isinstance(v, dict) and v.get(
+    "hidden_act": (lambda v: v == "silu", "the MLP is SwiGLU with silu"),
+    "attention_bias": (lambda v: v is False, "projections have no bias"),
+    "mlp_bias": (lambda v: v is False, "projections have no bias"),
+    "rope_scaling": (lambda v: v is None,
+                     "only the plain rotary embedding is implemented; no scaled variants"),
+    "rope_parameters": (lambda v: v is None or (isinstance(v, dict) and v.get(
         "rope_type", "default") == "default" and set(v) <= {"rope_type", "rope_theta"}),
-    "pretraining_tp": lambda v: v == 1,
-    "attention_dropout": lambda v: v == 0,
-    "model_type": lambda v: v == "llama",
-}
-_HF_CHECKED_WHY = {
-    "hidden_act": "the MLP is SwiGLU with silu", "attention_bias": "projections have no bias",
-    "mlp_bias": "projections have no bias",
-    "rope_scaling": "only the plain rotary embedding is implemented; no scaled variants",
-    "rope_parameters": "only rope_type 'default' (with rope_theta) is implemented",
-    "pretraining_tp": "pretraining_tp > 1 splits the projections differently",
-    "attention_dropout": "attention has no dropout", "model_type": "this is a Llama",
+        "only rope_type 'default' (with rope_theta) is implemented"),
+    "pretraining_tp": (lambda v: v == 1, "pretraining_tp > 1 splits the projections differently"),
+    "attention_dropout": (lambda v: v == 0, "attention has no dropout"),
+    "model_type": (lambda v: v == "llama", "this is a Llama"),
 }
 # Fields with no effect on the computation.
 _HF_METADATA = {"architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype",
@@ -224,29 +211,13 @@ class Llama(Module):
         return n - self.embed_tokens.weight.numel() if non_embedding else n
 
     def forward(self, idx, targets=None):
-        idx = as_tensor(idx)
-        if idx.ndim != 2:
-            raise ValueError(f"Llama: idx must be token ids of shape (batch, sequence), got "
-                             f"shape {tuple(idx.shape)}; a single sequence is idx[None].")
-        T = idx.shape[1]
-        if T > self.config.max_seq_len:
-            raise ValueError(f"Llama: sequence length {T} exceeds max_seq_len "
-                             f"{self.config.max_seq_len}.")
+        idx = token_ids(idx, "Llama", self.config.max_seq_len, "max_seq_len")
         x = self.embed_tokens(idx)
-        cos, sin = self.rotary.cos_sin(arange(T, dtype=np.int64))
+        cos, sin = self.rotary.cos_sin(arange(idx.shape[1], dtype=np.int64))
         for layer in self.layers:
             x = layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))
-        loss = None
-        if targets is not None:
-            targets = as_tensor(targets)
-            if tuple(targets.shape) != tuple(idx.shape):
-                raise ValueError(f"Llama: targets of shape {tuple(targets.shape)} must match "
-                                 f"idx of shape {tuple(idx.shape)}: one next token per "
-                                 f"position.")
-            V = logits.shape[-1]
-            loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
-        return logits, loss
+        return logits, next_token_loss(logits, idx, targets, "Llama")
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None) -> np.ndarray:

@@ -351,15 +351,17 @@ class ModuleDict(Module):
                             f"{type(m).__name__}).")
         self.add_module(key, m)
 
-    def __getitem__(self, key: str) -> Module:
+    def _known(self, key) -> str:
         if key not in self._modules:
             raise KeyError(f"ModuleDict has no entry {key!r}; its keys are "
                            f"{list(self._modules)}.")
-        return self._modules[key]
+        return key
+
+    def __getitem__(self, key: str) -> Module:
+        return self._modules[self._known(key)]
 
     def __delitem__(self, key: str) -> None:
-        self[key]  # noqa: B018 (the KeyError names the keys)
-        del self._modules[key]
+        del self._modules[self._known(key)]
 
     def update(self, modules) -> None:
         for key, m in (modules.items() if hasattr(modules, "items") else modules):

@@ -200,8 +200,8 @@ class LRScheduler:
         for k, v in values.items():
             setattr(self, k, v)
 
-    def _read_state(self, state, at: str) -> dict:
-        """``state`` checked against this scheduler: {attribute: value} to set."""
+    def _check_keys(self, state, at: str) -> None:
+        """``state`` is a dict with exactly the keys this scheduler's state_dict() has."""
         keys = set(self.state_dict())
         if not isinstance(state, Mapping):
             raise TypeError(f"{at}: expected the dict state_dict() returns, got {_show(state)} "
@@ -210,6 +210,10 @@ class LRScheduler:
             raise ValueError(f"{at}: the state has keys {sorted(map(str, state))}, a "
                              f"{type(self).__name__} {sorted(keys)}; pass what "
                              f"{type(self).__name__}.state_dict() returned.")
+
+    def _read_state(self, state, at: str) -> dict:
+        """``state`` checked against this scheduler: {attribute: value} to set."""
+        self._check_keys(state, at)
         n = len(self.base_lrs)
         out = _checked(at, {**self.arguments, "last_epoch": _LAST_EPOCH,
                             "_step_count": _STEP_COUNT}, state)
@@ -442,13 +446,7 @@ class SequentialLR(LRScheduler):
                 "_schedulers": [s.state_dict() for s in self._schedulers]}
 
     def _read_state(self, state, at):
-        keys = set(self.state_dict())
-        if not isinstance(state, Mapping):
-            raise TypeError(f"{at}: expected the dict state_dict() returns, got {_show(state)} "
-                            f"(type {type(state).__name__}).")
-        if set(state) != keys:
-            raise ValueError(f"{at}: the state has keys {sorted(map(str, state))}, a "
-                             f"SequentialLR {sorted(keys)}; pass what state_dict() returned.")
+        self._check_keys(state, at)
         kids = state["_schedulers"]
         if not isinstance(kids, (list, tuple)) or len(kids) != len(self._schedulers):
             raise ValueError(f"{at}: _schedulers must be a list of {len(self._schedulers)} "

@@ -237,3 +237,39 @@ def test_four_rank_layouts_equal_one_process(layout, comm, tmp_path):
     folder, cfg = _shared_checkpoint(tmp_path, "gqa", comm)
     _same_run(folder, cfg, layout)
 
+
+
+
+def _tp_traffic(comm, tmp_path, kind):
+    """Collectives of one forward + backward of the Llama tensor-parallel over every rank, and
+    Megatron-LM's all-reduces for it (count, bytes): the embedding forward, 2 per layer forward
+    and 2 backward, lm_head's input gradient, and 3 token-sized ones in the vocab-parallel
+    loss."""
+    from dtensor.comm import count_collectives
+    folder, cfg = _shared_checkpoint(tmp_path, kind, comm)
+    model = Llama.from_pretrained(folder, device_mesh=dtensor.init_device_mesh(
+        "cpu", (comm.size,)))
+    idx, tgt = _batches(cfg)[0]
+    with count_collectives() as log:
+        _, loss = model(idx, tgt)
+        loss.backward()
+    L, tokens = cfg["num_hidden_layers"], idx.size
+    act = tokens * cfg["hidden_size"] * 4
+    return log.summary(), cfg, (4 * L + 2 + 3, (4 * L + 2) * act + 3 * tokens * 4)
+
+
+@pytest.mark.parametrize("kind", sorted(HF))
+@pytest.mark.ranks(2, timeout=300)
+def test_tp2_traffic_is_megatrons(kind, comm, tmp_path):
+    got, _, (count, nbytes) = _tp_traffic(comm, tmp_path, kind)
+    assert got == {"all_reduce": (count, nbytes)}
+
+
+@pytest.mark.ranks(4, timeout=300)
+def test_tp4_over_two_kv_heads_adds_only_the_kv_weight_gradients(comm, tmp_path):
+    # each rank computes both kv heads (replicated k/v projections) and reads its own: nothing
+    # activation-sized moves; each k/v weight's gradient arrives Partial and is all-reduced once
+    got, cfg, (count, nbytes) = _tp_traffic(comm, tmp_path, "gqa")
+    L = cfg["num_hidden_layers"]
+    kv_weight = cfg["num_key_value_heads"] * cfg["head_dim"] * cfg["hidden_size"] * 4
+    assert got == {"all_reduce": (count + 2 * L, nbytes + 2 * L * kv_weight)}

@@ -153,14 +153,13 @@ def test_checkpoint_mismatches_are_named(tmp_path):
 # ----------------------------------------------------------------------------- layouts
 
 
-def _shared_checkpoint(tmp_path, kind, comm):
+def _shared_checkpoint(tmp_path, kind, comm, tied=False):
     """One checkpoint folder for every rank (tmp_path is the same path on every rank; rank 0
-    writes, the others wait)."""
-    # untied: a tied head under tensor parallelism is its own question (see test_tied_...)
+    writes, the others wait); the head untied unless ``tied``."""
     if comm.rank == 0:
-        _checkpoint(tmp_path, kind, tie_word_embeddings=False)
+        _checkpoint(tmp_path, kind, tie_word_embeddings=tied)
     comm.barrier()
-    return tmp_path / kind, dict(HF[kind], tie_word_embeddings=False)
+    return tmp_path / kind, dict(HF[kind], tie_word_embeddings=tied)
 
 
 def _layout(folder, layout):
@@ -209,6 +208,17 @@ def _curve(folder, cfg, layout, steps=8):
             loss.backward()
         opt.step()
     return losses, {k: _whole(v) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("layout", ["tp", "dp2xtp2_sp", "dp2xtp2_fully_shard"])
+@pytest.mark.ranks(4, timeout=400)
+def test_a_tied_head_stays_tied_in_every_layout(layout, comm, tmp_path):
+    # the vocab-parallel embedding and the column-parallel lm_head both shard the one weight by
+    # rows: one DTensor, whose gradient sums the lookup's and the head's
+    folder, cfg = _shared_checkpoint(tmp_path, "gqa", comm, tied=True)
+    model, _ = _layout(folder, layout)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    _same_run(folder, cfg, layout)
 
 
 def _same_run(folder, cfg, layout):

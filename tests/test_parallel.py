@@ -383,3 +383,49 @@ def test_bad_input_is_a_clear_error_on_every_rank(rank):
         parallelize(MLP(), mesh)
     with pytest.raises(ValueError, match=r"fsdp=True shards parameters over a 'dp' mesh dim"):
         parallelize(GPT(GPTConfig(**SMALL)), mesh, fsdp=True)
+
+
+class _TiedPair(dtensor.nn.Module):
+    """Two Linears sharing one weight, names of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = dtensor.nn.Linear(8, 8, bias=False), dtensor.nn.Linear(8, 8,
+                                                                                   bias=False)
+        self.dec.weight = self.enc.weight
+
+    def forward(self, x):
+        return (self.dec(F.gelu(self.enc(x))) ** 2).mean()
+
+
+@pytest.mark.parametrize("plan, error", [
+    ({"enc": "colwise", "dec": "colwise"}, None),     # both Shard(0): stays one parameter
+    ({"enc": "colwise"}, None),                       # the unplanned use follows the planned one
+    ({"enc": "colwise", "dec": "rowwise"}, r"enc\.weight and dec\.weight are one parameter"),
+])
+@pytest.mark.ranks(2, timeout=120)
+def test_tied_parameters_stay_tied_or_the_plan_is_refused(plan, error, rank):
+    from dtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    styles = {"colwise": lambda: ColwiseParallel(use_local_output=False),
+              "rowwise": lambda: RowwiseParallel(use_local_output=False)}
+    dtensor.manual_seed(0)
+    whole = _TiedPair()
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    want = whole(x)
+    want.backward()
+    dtensor.manual_seed(0)
+    model = _TiedPair()
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    built = {k: styles[v]() for k, v in plan.items()}
+    if error:
+        with pytest.raises(ValueError, match=error):
+            parallelize_module(model, mesh, built)
+        return
+    parallelize_module(model, mesh, built)
+    assert model.dec.weight is model.enc.weight
+    with dtensor.implicit_replication():
+        got = model(x)
+    got.backward()
+    np.testing.assert_allclose(got.full_tensor().item(), want.item(), rtol=1e-6)
+    np.testing.assert_allclose(model.enc.weight.grad.full_tensor().numpy(),
+                               whole.enc.weight.grad.numpy(), rtol=1e-5, atol=1e-7)

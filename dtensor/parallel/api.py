@@ -89,9 +89,53 @@ def parallelize_module(module: Module, device_mesh: DeviceMesh, parallelize_plan
     if device_mesh.ndim == 2:
         parallelize_module(module, device_mesh._sub([tp]), parallelize_plan)
         return replicate(module, device_mesh._sub([1 - tp]))
-    for style, name, m in hits:
-        style.apply(m, device_mesh, tp, name)
+    _apply_plan(module, hits, device_mesh, tp)
     return module
+
+
+def _tied(module: Module) -> list:
+    """Groups of (path, owner, name) holding one parameter object under several paths."""
+    owners: dict[int, list] = {}
+    for prefix, m in module.named_modules():
+        for n, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((f"{prefix}.{n}".lstrip("."), m, n))
+    return [g for g in owners.values() if len(g) > 1]
+
+
+def _apply_plan(module: Module, hits: list, mesh: DeviceMesh, tp: int, rest=None) -> None:
+    """Apply the plan's styles (then ``rest()``, the layout of what they left), keeping tied
+    parameters tied: each style lays out its own module's parameters, so a weight shared by two
+    modules (a tied embedding and lm_head) would come out as two, or as one laid out and one
+    left behind. Every use must lay it out alike; then every path holds one DTensor, whose
+    gradient sums the uses."""
+    tied = [(group, group[0][1]._parameters[group[0][2]]) for group in _tied(module)]
+    for style, name, m in hits:
+        style.apply(m, mesh, tp, name)
+    _retie(tied)
+    if rest is not None:
+        rest()
+        _retie(tied)
+
+
+def _retie(tied: list) -> None:
+    for group, original in tied:
+        laid = [(path, m._parameters[n]) for path, m, n in group
+                if m._parameters[n] is not original]
+        if not laid:
+            continue
+        path0, first = laid[0]
+        for path, p in laid[1:]:
+            if p is not first and p._spec != first._spec:
+                where = {q: m._parameters[n].placements for q, m, n in group
+                         if m._parameters[n] is not original}
+                raise ValueError(
+                    f"{path0} and {path} are one parameter (tied), but the plan lays them out "
+                    f"differently: {where}. Give both modules styles that shard the weight the "
+                    f"same way (a vocab-parallel embedding and a column-parallel lm_head both "
+                    f"shard it by rows), or untie them.")
+        for _, m, n in group:
+            m._parameters[n] = first
 
 
 def _plan_hits(module: Module, plan) -> list:
@@ -333,12 +377,13 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
         return dp, tp, plan, hits
 
     dp, tp, plan, hits = _agree(mesh, "parallelize", check, params=_params_text(model), **flags)
-    for style, name, m in hits:
-        style.apply(m, mesh, tp, name)
-    for _, m in model.named_modules():  # what the plan left: Replicate everywhere
-        for n, p in list(m._parameters.items()):
-            if p is not None and not isinstance(p, DTensor):
-                distribute_param(m, n, mesh, 0, Replicate())
+    def rest():  # what the plan left: Replicate everywhere
+        for _, m in model.named_modules():
+            for n, p in list(m._parameters.items()):
+                if p is not None and not isinstance(p, DTensor):
+                    distribute_param(m, n, mesh, 0, Replicate())
+
+    _apply_plan(model, hits, mesh, tp, rest)
     if fsdp:
         _shard_params_fsdp(model, mesh, dp, tp)
 

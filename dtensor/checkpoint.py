@@ -249,13 +249,17 @@ def _unpartial(flat, tensors) -> dict:
 def _my_block(t, rank):
     """(array, offsets, writer?) of this rank's block of tensor ``t`` (not Partial): a plain
     tensor is written by rank 0, a DTensor's block by the ranks at coordinate 0 of every mesh
-    dim it is not sharded over."""
+    dim it is not sharded over, counting the dims of the whole mesh its mesh was sliced from
+    (a tensor-parallel parameter on mesh["tp"] has a copy on every "dp" row)."""
     if not _is_dtensor(t):
         return np.asarray(t.numpy()), (0,) * t.ndim, rank == 0
     from dtensor.placements import Shard
     _, off = t._spec.local_shape_and_offset()
     coord = t.device_mesh.get_coordinate()
-    writer = all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, Shard))
+    root, dims = t.device_mesh._root
+    outside = root.get_coordinate()
+    writer = (all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, Shard))
+              and all(outside[d] == 0 for d in range(root.ndim) if d not in dims))
     return t._loc(), off, writer
 
 

@@ -129,8 +129,7 @@ def mesh_shape(cfg: TrainConfig, world: int) -> tuple[int, int]:
     elif cfg.dp:
         tp = max(1, world // cfg.dp)
     else:
-        heads = (cfg.n_head, kv_heads(cfg)) if cfg.model == "llama" else (cfg.n_head,)
-        tp = 2 if world % 2 == 0 and all(h % 2 == 0 for h in heads) else 1
+        tp = 2 if world % 2 == 0 and cfg.n_head % 2 == 0 else 1
     return cfg.dp or max(1, world // tp), tp
 
 
@@ -212,9 +211,6 @@ RULES: list[tuple[Callable[[TrainConfig, Layout], bool], Callable[[TrainConfig, 
                   f"{c.init_from} (max_position_embeddings "
                   f"{folder_config(c.init_from).max_seq_len}): use --block-size "
                   f"{folder_config(c.init_from).max_seq_len} or less"),
-    (lambda c, L: c.init_from and c.fsdp,
-     lambda c, L: "--init-from lays the model out through Llama.from_pretrained, which does "
-                  "not shard parameters over dp: drop --fsdp"),
     (lambda c, L: c.model == "llama" and c.dropout,
      lambda c, L: f"--dropout {c.dropout:g}: dtensor.nn.Llama has no dropout; drop --dropout "
                   f"or use --model gpt"),
@@ -235,11 +231,6 @@ RULES: list[tuple[Callable[[TrainConfig, Layout], bool], Callable[[TrainConfig, 
      lambda c, L: f"--n-head {c.n_head} does not split over tp={L.tp} ranks (each computes "
                   f"whole heads): use --tp {max(d for d in range(1, L.tp) if c.n_head % d == 0)}"
                   f" or an --n-head that is a multiple of {L.tp}"),
-    (lambda c, L: c.model == "llama" and kv_heads(c) % L.tp,
-     lambda c, L: f"{kv_text(c)} does not split over tp={L.tp} ranks (each "
-                  f"computes whole key/value heads): use --tp "
-                  f"{max(d for d in range(1, L.tp) if kv_heads(c) % d == 0)} or a --kv-heads "
-                  f"that is a multiple of {L.tp} and divides --n-head {c.n_head}"),
     (lambda c, L: c.sp and L.tp < 2,
      lambda c, L: f"--sp splits each sequence over the tensor-parallel ranks, and this layout "
                   f"is dp={L.dp} x tp={L.tp}: run `{relaunch(c, 2 * L.dp, tp=2 if c.tp else 0)}`"),
@@ -415,7 +406,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, mesh):
     from dtensor.parallel import parallelize
     if cfg.init_from:  # each rank reads only its own blocks of the folder's tensors
         return Llama.from_pretrained(cfg.init_from, device_mesh=mesh,
-                                     sequence_parallel=cfg.sp)
+                                     sequence_parallel=cfg.sp, fsdp=cfg.fsdp)
     if cfg.model == "llama":
         model = Llama(LlamaConfig(vocab_size=vocab_size, dim=cfg.n_embd, n_layers=cfg.n_layer,
                                   n_heads=cfg.n_head, n_kv_heads=kv_heads(cfg),

@@ -170,12 +170,13 @@ def _layout(folder, layout):
     world = dtensor.distributed.get_world_size()
     if layout == "one":
         return Llama.from_pretrained(folder), ExitStack
-    if layout in ("tp", "dp2xtp2_sp"):
+    if layout in ("tp", "dp2xtp2_sp", "dp2xtp2_fsdp"):
         shape = (world,) if layout == "tp" else (2, 2)
         mesh = dtensor.init_device_mesh("cpu", shape, mesh_dim_names=(
             ("tp",) if layout == "tp" else ("dp", "tp")))
         return Llama.from_pretrained(folder, device_mesh=mesh,
-                                     sequence_parallel=layout.endswith("sp")), ExitStack
+                                     sequence_parallel=layout.endswith("sp"),
+                                     fsdp=layout.endswith("fsdp")), ExitStack
     # the torchtitan way: a tp plan on mesh["tp"], then data parallelism on mesh["dp"]
     mesh = dtensor.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = Llama.from_pretrained(folder)
@@ -239,7 +240,7 @@ def test_tp2_equals_one_process(kind, comm, tmp_path):
     _same_run(folder, cfg, "tp")
 
 
-@pytest.mark.parametrize("layout", ["tp", "dp2xtp2_sp", "dp2xtp2_fully_shard",
+@pytest.mark.parametrize("layout", ["tp", "dp2xtp2_sp", "dp2xtp2_fsdp", "dp2xtp2_fully_shard",
                                     "dp2xtp2_replicate"])
 @pytest.mark.ranks(4, timeout=400)
 def test_four_rank_layouts_equal_one_process(layout, comm, tmp_path):

@@ -227,13 +227,14 @@ class Llama(Module):
     # -- Hugging Face checkpoints
     @classmethod
     def from_pretrained(cls, folder, device_mesh=None, *, sequence_parallel: bool = False,
-                        loss_parallel: bool = True) -> "Llama":
+                        loss_parallel: bool = True, fsdp: bool = False) -> "Llama":
         """A Llama with the weights of a Hugging Face folder (``config.json`` and
         ``*.safetensors``, names such as ``model.layers.0.self_attn.q_proj.weight``).
 
         With ``device_mesh`` the model is parallelized over it first (``parallelize``: a 1-D
-        mesh is tensor parallel, a 2-D one needs dims "dp" and "tp") and each rank reads only
-        its own slice of each tensor: no rank ever holds the whole model.
+        mesh is tensor parallel, a 2-D one needs dims "dp" and "tp"; ``fsdp`` shards the
+        parameters over "dp" too) and each rank reads only its own slice of each tensor: no
+        rank ever holds the whole model.
         """
         folder = os.fspath(folder)
         path = os.path.join(folder, "config.json")
@@ -252,7 +253,7 @@ class Llama(Module):
         if device_mesh is not None:
             from dtensor.parallel import parallelize
             parallelize(model, device_mesh, sequence_parallel=sequence_parallel,
-                        loss_parallel=loss_parallel)
+                        loss_parallel=loss_parallel, fsdp=fsdp)
         load_safetensors(model, folder, _HF_NAMES)  # allocates each rank's blocks as it reads
         return model
 
@@ -263,21 +264,18 @@ class Llama(Module):
 
     def tp_plan(self, tp: int | None = None, sequence_parallel: bool = False,
                 loss_parallel: bool = True) -> dict:
-        """torchtitan's plan (``llama_tp_plan``) for this model, checked against a tensor-parallel
-        degree ``tp`` when given: it must divide the query heads and the MLP width. A ``tp``
-        above ``n_kv_heads`` is fine: each key/value head is then shared by tp / n_kv_heads
-        ranks."""
+        """torchtitan's plan (``llama_tp_plan``) for this model, checked against a
+        tensor-parallel degree ``tp`` when given: it must divide the query heads (the MLP width
+        and the vocabulary may shard unevenly). Key/value heads that do not split evenly over
+        ``tp`` (tp 4 over 2 of them) are shared: their projections stay whole on every rank."""
         c = self.config
         if tp is not None:
             tp = as_int(tp, "Llama.tp_plan: tp", low=1)
-            bad = [f"{name}={v}" for name, v in (("n_heads", c.n_heads), ("hidden_dim",
-                   c.hidden_dim), ("vocab_size", c.vocab_size)) if v % tp]
-            if bad:
-                raise ValueError(f"Llama: tensor-parallel degree {tp} does not divide "
-                                 f"{', '.join(bad)}; column-parallel projections give each rank "
-                                 f"whole heads and equal shares. Pick tp from the common "
-                                 f"divisors.")
-        shared = tp is not None and tp > c.n_kv_heads
+            if c.n_heads % tp:
+                raise ValueError(f"Llama: tensor-parallel degree {tp} does not divide n_heads="
+                                 f"{c.n_heads}; column-parallel q projections give each rank "
+                                 f"whole heads. Pick tp from the divisors of {c.n_heads}.")
+        shared = tp is not None and c.n_kv_heads % tp != 0
         return llama_tp_plan(sequence_parallel, loss_parallel, shared_kv=shared)
 
 
@@ -302,7 +300,8 @@ def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True,
     vocabulary rows), lm_head column-parallel with the vocab-parallel loss; norms replicated, or
     sequence-parallel (Shard(1) residual stream) with ``sequence_parallel``.
 
-    ``shared_kv`` (more tensor-parallel ranks than key/value heads): k and v projections stay
+    ``shared_kv`` (key/value heads that do not split evenly over the ranks, e.g. more ranks than
+    heads): k and v projections stay
     replicated, as Megatron replicates key/value heads across the ranks that share them. Each
     rank computes the key/value heads and attention reads those of its own query heads (a local
     slice, no communication); their gradients come back as partial sums, so the backward adds

@@ -30,7 +30,6 @@ class Deferred:
         self.wait = wait
 
 
-
 def _resolved(g):
     return g.wait() if isinstance(g, Deferred) else g
 

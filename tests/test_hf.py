@@ -579,3 +579,10 @@ def test_empty_parameters_laid_out_then_loaded(tmp_path, rank):
         assert p is q and not init.is_placeholder(p)
         np.testing.assert_array_equal(local(p), expected_block(
             w[PATHS[path]], LAYOUTS_1D["mixed"][path], (2,), [rank]))
+
+
+def test_saved_files_get_the_users_umask_like_config_json(tmp_path):
+    # safetensors creates its files 0600: weights others may not read beside a readable config
+    save_safetensors(Tiny(), tmp_path, NAME_MAP, config={"model_type": "tiny"})
+    mode = (tmp_path / "config.json").stat().st_mode & 0o777
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == mode

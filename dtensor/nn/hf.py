@@ -451,6 +451,11 @@ def _write(path: Path, arrays: dict, metadata: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         save_file(arrays, str(tmp), metadata=metadata)
+        # safetensors creates its file 0600; a checkpoint gets the mode config.json gets (the
+        # user's umask), so whoever may read the folder may read the weights
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -322,61 +322,52 @@ def _describe(model: Module, plan: dict, mesh: DeviceMesh, fsdp: bool) -> str:
 
 
 def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = False,
-                loss_parallel: bool = True, fsdp: bool = False) -> Module:
-    """Parallelize a dtensor.nn Transformer over ``mesh``, in place; returns the model.
+                loss_parallel: bool = True, fsdp: bool | None = None, example_inputs=None,
+                max_bytes_per_rank: int | None = None) -> Module:
+    """Parallelize any dtensor.nn model over ``mesh``, in place; returns the model.
 
-    The "tp" plan is the model's own when it has a ``tp_plan(tp, sequence_parallel=,
-    loss_parallel=)`` method (``dtensor.nn.Llama`` does), else Megatron's plan for GPT-shaped
-    models below.
+    ``parallelize(model, mesh, ...)`` is ``dtensor.parallel.plan(model, mesh, example_inputs,
+    ...).apply(model)``: the plan is found from the traced forward (dtensor/parallel/planner.py),
+    not from names.
 
-    * "tp" dim: the Megatron plan (``gpt_plan``): q/k/v and fc1 column-parallel, proj and fc2
-      row-parallel, the token embedding vocab-parallel, lm_head column-parallel with the
-      vocab-parallel loss (``loss_parallel``); norms replicated, or sequence-parallel with
-      ``sequence_parallel=True``.
+    * "tp" dim: Megatron's layout wherever the model computes it: Linear chains column- then
+      row-parallel, vocabulary tables vocab-parallel, the head column-parallel with the
+      vocab-parallel loss (``loss_parallel``); what cannot split stays replicated. The stream
+      between chains is replicated, or sequence-parallel with ``sequence_parallel=True``.
     * "dp" dim: plain array inputs are the global batch and each "dp" rank takes its rows
       (Shard(0)); parameters are Replicate over "dp" and their gradients are all-reduced when
-      stored, or, with ``fsdp=True``, parameters and optimizer state are Shard over "dp",
-      all-gathered for each module's forward and their gradients reduce-scattered.
+      stored, or, with ``fsdp=True`` (or when ``max_bytes_per_rank`` needs it), parameters and
+      optimizer state are Shard over "dp", all-gathered for each module's forward and their
+      gradients reduce-scattered.
 
-    A 1-D mesh is "tp" unless its dim is named "dp". With DTENSOR_DEBUG=1 rank 0 prints the
-    plan and every parameter's placements.
+    ``example_inputs``: the forward's arguments to plan on (a tuple, a dict of keywords, or one
+    array); without them the planner guesses a small batch from the first layer. A 1-D mesh is
+    "tp" unless its dim is named "dp". With DTENSOR_DEBUG=1 rank 0 prints the plan's
+    explanation.
 
     Example (under ``dtlaunch --nproc 4``):
         >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         >>> model = parallelize(GPT(cfg), mesh, sequence_parallel=True)
         >>> logits, loss = model(idx, targets)   # idx, targets: the global batch
     """
+    from dtensor.parallel.planner import plan
     _check_targets("parallelize", model, mesh)
     flags = dict(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, fsdp=fsdp)
+    found = _agree(mesh, "parallelize", lambda: plan(
+        model, mesh, example_inputs, max_bytes_per_rank=max_bytes_per_rank, **flags),
+        params=_params_text(model), budget=max_bytes_per_rank, **flags)
+    return found.apply(model)
 
-    def check():
-        for k, v in flags.items():
-            as_bool(v, f"parallelize: {k}")
-        if mesh.ndim > 2:
-            _tp_dim(mesh, None)  # raises with the fix
-        names = mesh.mesh_dim_names or ()
-        if mesh.ndim == 2 and not {"dp", "tp"} <= set(names):
-            raise ValueError(f"parallelize on a 2-D mesh needs dims named 'dp' and 'tp', got "
-                             f"{mesh._dims_text()}; use init_device_mesh('cpu', (dp, tp), "
-                             f"mesh_dim_names=('dp', 'tp')).")
-        dp = mesh._dim("dp") if "dp" in names else None
-        tp = None if (mesh.ndim == 1 and dp == 0) else _tp_dim(mesh, None)
-        if fsdp and dp is None:
-            raise ValueError(f"fsdp=True shards parameters over a 'dp' mesh dim, and mesh "
-                             f"{mesh._dims_text()} has none; name one 'dp'.")
-        plan, hits = {}, []
-        if tp is not None:
-            own = getattr(model, "tp_plan", None)
-            if callable(own):  # the model's own plan (as Hugging Face models carry a tp plan)
-                plan = own(mesh.size(tp), sequence_parallel=sequence_parallel,
-                           loss_parallel=loss_parallel)
-            else:
-                _check_divisible(_gpt_parts(model), mesh.size(tp))
-                plan = gpt_plan(sequence_parallel, loss_parallel)
-            hits = _plan_hits(model, plan)
-        return dp, tp, plan, hits
 
-    dp, tp, plan, hits = _agree(mesh, "parallelize", check, params=_params_text(model), **flags)
+def _parallelize(model: Module, mesh: DeviceMesh, plan: dict, dp: int | None, tp: int | None, *,
+                 sequence_parallel: bool, loss_parallel: bool, fsdp: bool,
+                 explained=None) -> Module:
+    """Lay ``model`` out by a "tp" plan of styles, data parallel over "dp"."""
+    _check_targets("parallelize", model, mesh)
+    hits = _agree(mesh, "parallelize", lambda: _plan_hits(model, plan) if tp is not None else [],
+                  params=_params_text(model), plan=plan, sequence_parallel=sequence_parallel,
+                  loss_parallel=loss_parallel, fsdp=fsdp)
+
     def rest():  # what the plan left: Replicate everywhere
         for _, m in model.named_modules():
             for n, p in list(m._parameters.items()):
@@ -403,5 +394,6 @@ def parallelize(model: Module, mesh: DeviceMesh, *, sequence_parallel: bool = Fa
 
     wrap_forward(model, around)
     if os.environ.get("DTENSOR_DEBUG", "0") not in ("", "0") and mesh.get_rank() == 0:
-        print(_describe(model, plan, mesh, fsdp), flush=True)
+        print(explained if explained is not None else _describe(model, plan, mesh, fsdp),
+              flush=True)
     return model

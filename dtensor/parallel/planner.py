@@ -1,0 +1,916 @@
+"""A tensor-parallel plan found from what a model computes, not from its names.
+
+``plan(model, mesh, example_inputs)`` traces the forward once at the example's shapes (the
+compiler's tracer, in this process, no communication) and reads Megatron's building blocks off
+the graph:
+
+* **chains**: Linear layers whose outputs, split by columns, stay split through everything up
+  to the Linear layers that consume them (pointwise ops, activations and gated products, head
+  reshapes and transposes, rotary embeddings, attention, GQA groups). The first ones are
+  column-parallel, the last row-parallel, and nothing in between communicates. A chain is grown
+  by sharding-rule propagation (``dtensor.sharding.propagate``, the rules the DTensor
+  interpreter runs): seed one Linear's output as ``Shard(-1)``, follow it; where an op would cut
+  another Linear's output (attention's keys against its queries), that Linear joins the column
+  side, or, if it cannot (key/value heads that do not split evenly), stays whole and is sliced
+  locally; where an op would need the split data gathered, the chain is refused.
+* **vocabulary tables**: an Embedding indexed by the model's input is vocab-parallel. One
+  indexed by positions the model computes itself stays replicated (as Megatron keeps
+  position tables).
+* **the head**: a Linear whose split output reaches only the loss (or the model's output) is
+  column-parallel with the vocab-parallel cross-entropy (``loss_parallel``); without it, its
+  output is gathered.
+* **the stream** between chains: replicated, or sequence-parallel (``Shard(1)``) under
+  ``sequence_parallel=True``.
+
+Each chain input gets one conversion point (the smallest module that takes it as an argument,
+else the module that produced it), so its consumers share one gradient reduction, as in the
+hand-written plans. The result is a plan of parallel styles applied by ``parallelize_module``'s
+machinery; every collective is then inserted by the sharding rules, and the single-process run
+stays the reference. Anything the planner cannot split stays replicated and the explanation
+says why.
+
+Prices are bytes per rank per step in ``dtensor.comm.count_collectives``'s convention
+(all-reduce and reduce-scatter: input bytes, all-gather: gathered bytes), one collective per
+tensor; tests compare them with the collectives a real run issues.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from dtensor.mesh import DeviceMesh
+from dtensor.nn.layers import Embedding, Linear
+from dtensor.nn.module import Module
+from dtensor.placements import Partial, Replicate, Shard
+
+__all__ = ["plan", "Plan"]
+
+R = Replicate()
+# Ops a value passes through unchanged in content (the head's logits may be reshaped on the way
+# to the loss or the model's output).
+_RESHAPES = ("reshape", "permute", "squeeze", "expand_dims", "contiguous", "cast")
+
+
+# ----------------------------------------------------------------------------- tracing
+
+@dataclass(eq=False)
+class _Call:
+    """One call of a module during the traced forward."""
+
+    path: str
+    module: Module
+    args: list  # graph node (or None) per positional argument
+    out: object  # graph node, or None (a tuple or a non-tensor)
+    start: int  # nodes created during the call have ids in [start, end)
+    end: int = -1
+
+
+def _node(x):
+    from dtensor.compile.trace import Traced
+    data = getattr(x, "data", x)
+    return data.node if type(data) is Traced else None
+
+
+def _trace(model: Module, example_inputs):
+    """(graph, calls, output nodes) of one forward of ``model`` on traced data."""
+    from dtensor.compile.api import _flatten
+    from dtensor.compile.trace import Tracer
+    from dtensor.tensor import Tensor
+
+    tracer = Tracer()
+    calls: list[_Call] = []
+    handles, saved = [], []
+    stack: list[_Call] = []
+
+    for path, m in model.named_modules():
+        def pre(mod, args, _path=path):
+            call = _Call(_path, mod, [_node(a) for a in args], None, tracer.graph._next)
+            stack.append(call)
+            calls.append(call)
+
+        def post(mod, args, out, _path=path):
+            call = stack.pop()
+            call.out, call.end = _node(out), tracer.graph._next
+
+        # first pre-hook and last post-hook: the call as the module's own forward sees it
+        m._forward_pre_hooks = {**{-1: pre}, **m._forward_pre_hooks}
+        handles.append((m, -1))
+        m._forward_hooks[-1] = post
+    try:
+        with tracer:
+            for name, p in model.named_parameters():
+                saved.append((p, p.data))
+                p.data = tracer.input(name, p.data)
+
+            def arg(i, a):
+                if isinstance(a, (np.ndarray, Tensor)):
+                    arr = a.data if isinstance(a, Tensor) else a
+                    return Tensor._wrap(tracer.input(f"input {i}", np.asarray(arr)))
+                return a
+
+            args, kwargs = example_inputs
+            result = model(*[arg(i, a) for i, a in enumerate(args)],
+                           **{k: arg(k, v) for k, v in kwargs.items()})
+            leaves: list = []
+            _flatten(result, leaves)
+    finally:
+        for p, d in saved:
+            p.data = d
+        for m, key in handles:
+            m._forward_pre_hooks.pop(key, None)
+            m._forward_hooks.pop(key, None)
+    outputs = [n for n in (_node(x) for x in leaves) if n is not None]
+    return tracer.graph, calls, outputs
+
+
+# ----------------------------------------------------------------------------- the walk
+
+class _Break(Exception):
+    """A chain that cannot stay split: why, in words."""
+
+
+_MESH1 = {}
+
+
+def _mesh1(n: int):
+    """What ``propagate`` reads of a mesh: one dim of ``n`` ranks."""
+    return _MESH1.setdefault(n, SimpleNamespace(ndim=1, shape=(n,)))
+
+
+class _Graph:
+    """The traced forward with what the planner asks of it."""
+
+    def __init__(self, graph, calls, outputs):
+        from dtensor.ops.registry import OPS
+        self.graph, self.calls, self.outputs = graph, calls, set(id(n) for n in outputs)
+        self.ops = OPS
+        self.index = {n.id: i for i, n in enumerate(graph.nodes)}
+        self.users = graph.users()
+        self.linears = [c for c in calls if isinstance(c.module, Linear)]
+        self.tables = [c for c in calls if isinstance(c.module, Embedding)]
+        # nodes inside a Linear or Embedding call: the layer's own ops (the style handles them)
+        self.inside: dict[int, _Call] = {}
+        for c in self.linears + self.tables:
+            for i in range(c.start, c.end):
+                self.inside[i] = c
+        self.calls_of: dict[int, list[_Call]] = {}
+        for c in self.linears:
+            self.calls_of.setdefault(id(c.module), []).append(c)
+        self.first_inside = {c.start: c for c in self.linears}
+        self.made_by = {}  # node id -> the Linear call whose output it is
+        for c in self.linears:
+            if c.out is not None:
+                self.made_by[c.out.id] = c
+
+    def walk(self, cols: set, tp: int, head_ok: bool):
+        """Propagate Shard(-1) from the outputs of the Linear modules ``cols``.
+
+        Returns (rows, heads, sliced, place): the Linear modules that take the split value as
+        their input (row-parallel), the kinds of head exits reached ("loss", "output"), the
+        values an op cut locally from whole ones, and each split value's placement. Raises
+        _Break with the reason."""
+        from dtensor.ops.registry import Aval
+        from dtensor.sharding import propagate
+        place: dict[int, object] = {}
+        seeds = [c for c in self.linears if id(c.module) in cols]
+        for c in seeds:
+            if c.out is None:
+                raise _Break(f"{c.path} returns no single tensor")
+            place[c.out.id] = Shard(len(c.out.shape) - 1)
+        rows, heads, sliced = {}, set(), []
+        start = min(self.index.get(c.out.id, 0) for c in seeds)
+        mesh = _mesh1(tp)
+        for node in self.graph.nodes[start:]:
+            call = self.inside.get(node.id)
+            if call is not None:
+                if node.id == call.start and call.args and call.args[0] is not None:
+                    p = place.get(call.args[0].id, R)
+                    if p != R:
+                        x = call.args[0]
+                        if isinstance(call.module, Linear) and p == Shard(len(x.shape) - 1) \
+                                and id(call.module) not in cols:
+                            rows[id(call.module)] = call.module
+                        else:
+                            raise _Break(f"{call.path} ({type(call.module).__name__}) takes the "
+                                         f"split value laid out {p}")
+                continue
+            ins = [place.get(a.id, R) if hasattr(a, "id") else None for a in node.inputs]
+            if all(p is None or p == R for p in ins):
+                continue
+            if node.kind != "op":
+                raise _Break(f"%{node.id} {node.name}")
+            if node.name == "softmax_cross_entropy":
+                if head_ok and ins[0] == Shard(len(node.inputs[0].shape) - 1):
+                    heads.add("loss")
+                    continue
+                raise _Break("the loss reads the split logits whole (loss_parallel=False)")
+            op = self.ops[node.name]
+            avals = [Aval(a.shape, a.dtype) if hasattr(a, "id") else a for a in node.inputs]
+            try:
+                st = propagate(op, avals, node.params, [None if p is None else (p,) for p in ins],
+                               Aval(node.shape, node.dtype), mesh)
+            except (ValueError, NotImplementedError) as e:
+                raise _Break(f"{node.name} cannot keep the split ({str(e).splitlines()[0]})")
+            for a, cur, need in zip(node.inputs, ins, st.inputs):
+                if need is None or cur is None or need[0] == cur:
+                    continue
+                if cur != R:
+                    raise _Break(f"{node.name} needs the split value {cur} moved to {need[0]}")
+                if isinstance(need[0], Shard):
+                    sliced.append(a)
+            out = st.out[0]
+            if out != R:
+                place[node.id] = out
+                if id(node) in self.outputs:
+                    if head_ok and out == Shard(len(node.shape) - 1):
+                        heads.add("output")
+                    else:
+                        raise _Break(f"the model returns the split value laid out {out}")
+            if isinstance(out, Partial):
+                raise _Break(f"{node.name} sums over the split features")
+        for c in seeds:
+            if id(c.out) in self.outputs:
+                if not head_ok:
+                    raise _Break("the model returns the split value")
+                heads.add("output")
+        return rows, heads, sliced, place
+
+    def sources(self, node) -> set:
+        """The Linear calls whose outputs ``node`` is computed from, through ops only."""
+        out, todo, seen = set(), [node], set()
+        while todo:
+            n = todo.pop()
+            if not hasattr(n, "id") or n.id in seen:
+                continue
+            seen.add(n.id)
+            if n.id in self.made_by:
+                out.add(self.made_by[n.id])
+                continue
+            if n.kind == "op" and n.id not in self.inside:
+                todo.extend(n.inputs)
+        return out
+
+
+# ----------------------------------------------------------------------------- the plan
+
+@dataclass
+class _Chain:
+    cols: list  # Linear calls' modules, column-parallel
+    rows: list
+    shared: list  # Linear modules left whole, their outputs sliced locally
+    head: str | None = None  # "loss", "output" or "gathered"
+    region: set = field(default_factory=set)  # ids of the nodes that carry the split
+
+
+@dataclass
+class Plan:
+    """A found plan: styles per module path, the reasons, and the collectives they cause.
+
+    ``print(plan)`` explains it; ``plan.apply(model)`` parallelizes ``model`` with it (the
+    model it was found for, or another built the same way)."""
+
+    mesh: DeviceMesh
+    tp: int | None
+    dp: int | None
+    styles: dict
+    sequence_parallel: bool
+    loss_parallel: bool
+    fsdp: bool
+    rows: list = field(default_factory=list)  # (path, placements text, why)
+    collectives: list = field(default_factory=list)  # (where, phase, kind, count, bytes)
+    reference: dict | None = None  # kind -> (count, bytes) of the hand plan, if one exists
+    reference_name: str = ""
+    memory: dict = field(default_factory=dict)
+    batch: str = ""
+    seconds: float = 0.0
+
+    def totals(self) -> dict:
+        """kind -> (count, bytes) per rank per step."""
+        return _totals(self.collectives)
+
+    def apply(self, model: Module) -> Module:
+        from dtensor.parallel.api import _parallelize
+        return _parallelize(model, self.mesh, self.styles, self.dp, self.tp,
+                            sequence_parallel=self.sequence_parallel,
+                            loss_parallel=self.loss_parallel, fsdp=self.fsdp, explained=self)
+
+    def __str__(self) -> str:
+        lines = [f"plan for mesh {self.mesh._dims_text()}: tensor parallel over "
+                 f"{self._dim_name(self.tp)}"
+                 f"{', sequence parallel' if self.sequence_parallel else ''}"
+                 f"{', loss parallel' if self.loss_parallel else ''}; data dim "
+                 f"{self._dim_name(self.dp)}"
+                 f"{' (fsdp)' if self.fsdp and self.dp is not None else ''}"
+                 f"; priced on {self.batch}, found in {self.seconds * 1e3:.0f} ms"]
+        width = max([len(p) for p, _, _ in self.rows] + [10])
+        for path, where, why in self.rows:
+            lines.append(f"  {path:{width}s}  {where:28s} {why}")
+        lines.append("collectives per rank per step (count x bytes):")
+        w2 = max([len(w) for w, *_ in self.collectives] + [10])
+        for where, phase, kind, count, nbytes in self.collectives:
+            lines.append(f"  {where:{w2}s}  {phase:8s} {kind:15s} {count:4d} x {nbytes:>10,d} B")
+        lines.append("  total: " + _totals_text(self.totals()))
+        if self.reference is not None:
+            lines.append(f"  {self.reference_name}: " + _totals_text(self.reference))
+            ours = sum(b for _, b in self.totals().values())
+            ref = sum(b for _, b in self.reference.values())
+            lines.append(f"  bytes vs the hand plan: {ours / ref if ref else 1.0:.2f}")
+        if self.memory:
+            lines.append("memory per rank: " + ", ".join(f"{k} {v:,d} B"
+                                                         for k, v in self.memory.items()))
+        return "\n".join(lines)
+
+    def _dim_name(self, d) -> str:
+        if d is None:
+            return "none"
+        names = self.mesh.mesh_dim_names
+        return f"'{names[d]}' ({self.mesh.size(d)})" if names else f"dim {d} ({self.mesh.size(d)})"
+
+
+def _totals(collectives) -> dict:
+    out: dict = {}
+    for _, _, kind, count, nbytes in collectives:
+        c, b = out.get(kind, (0, 0))
+        out[kind] = (c + count, b + count * nbytes)
+    return dict(sorted(out.items()))
+
+
+def _totals_text(t: dict) -> str:
+    if not t:
+        return "no collectives"
+    return ", ".join(f"{k} {c} ({b:,d} B)" for k, (c, b) in t.items()) + \
+        f"; {sum(b for _, b in t.values()):,d} B"
+
+
+def _nbytes(node) -> int:
+    return int(np.prod(node.shape)) * node.dtype.itemsize
+
+
+def _params_under(module: Module) -> list:
+    return [p for _, p in module.named_parameters()]
+
+
+def _owner_path(g: _Graph, module) -> str:
+    for c in g.calls:
+        if c.module is module:
+            return c.path
+    return "?"
+
+
+class _Finder:
+    """Megatron's building blocks on one traced graph."""
+
+    def __init__(self, g: _Graph, tp: int, loss_parallel: bool):
+        self.g, self.tp, self.loss_parallel = g, tp, loss_parallel
+        self.chains: list[_Chain] = []
+        self.refused: dict[int, str] = {}  # Linear module id -> why it stays whole
+        self.taken: set = set()
+
+    def find(self):
+        g = self.g
+        for c in g.linears:
+            key = id(c.module)
+            if key in self.taken or key in self.refused:
+                continue
+            chain = self._grow(c)
+            if chain is not None:
+                self.chains.append(chain)
+                self.taken |= {id(m) for m in chain.cols + chain.rows + chain.shared}
+        return self
+
+    def _grow(self, seed: _Call):
+        """The chain seeded at ``seed`` (its column side grown to a fixpoint), or None."""
+        cols, whole, head_ok = {id(seed.module): seed.module}, {}, True
+        try:
+            while True:
+                rows, heads, sliced, place = self.g.walk(set(cols), self.tp, head_ok)
+                grow = {id(c.module): c.module for a in sliced for c in self.g.sources(a)}
+                grow = {k: m for k, m in grow.items() if k not in cols and k not in whole}
+                if not grow:
+                    break
+                for k, m in grow.items():  # one at a time: each must keep the chain valid
+                    try:
+                        self.g.walk(set(cols) | {k}, self.tp, head_ok)
+                        cols[k] = m
+                    except _Break:
+                        whole[k] = m
+        except _Break as e:
+            if len(cols) == 1 and self._head_gathered(seed):
+                return _Chain([seed.module], [], [], "gathered")
+            self.refused[id(seed.module)] = str(e)
+            return None
+        if set(rows) & self.taken or set(cols) & self.taken or set(whole) & self.taken:
+            self.refused[id(seed.module)] = "it meets a chain planned already"
+            return None
+        if not rows and not heads:
+            self.refused[id(seed.module)] = "its split output reaches no row-parallel Linear"
+            return None
+        if heads and rows:
+            self.refused[id(seed.module)] = "its split output reaches both a Linear and the loss"
+            return None
+        head = None
+        if heads:
+            head = "loss" if "loss" in heads else "output"
+            if not self.loss_parallel:
+                return _Chain([seed.module], [], [], "gathered") if len(cols) == 1 else None
+        chain = _Chain(list(cols.values()), list(rows.values()), list(whole.values()), head)
+        chain.region = set(place)
+        return chain
+
+    def _head_gathered(self, seed: _Call) -> bool:
+        """Whether ``seed``'s output reaches only the loss or the model's output, through
+        reshapes: the head a column split serves with one gather of its output."""
+        if self.loss_parallel:
+            return False
+        todo, g = [seed.out], self.g
+        while todo:
+            n = todo.pop()
+            if id(n) in g.outputs:
+                continue
+            users = g.users.get(n.id, [])
+            if not users:
+                return False
+            for u in users:
+                if u.name == "softmax_cross_entropy" or id(u) in g.outputs:
+                    continue
+                if u.name not in _RESHAPES:
+                    return False
+                todo.append(u)
+        return True
+
+
+def _token_table(g: _Graph, call: _Call) -> bool:
+    """An Embedding indexed by (a reshape of) a model input: a vocabulary table."""
+    n = call.args[0] if call.args else None
+    while n is not None and hasattr(n, "id"):
+        if n.kind == "input":
+            return True
+        if n.kind != "op" or n.name not in _RESHAPES:
+            return False
+        n = n.inputs[0]
+    return False
+
+
+# ----------------------------------------------------------------------------- plan()
+
+def _example(model: Module, example_inputs):
+    """(args, kwargs, text) of the batch to plan on; without one, a guess from the first
+    layer: token ids for an Embedding, features for a Linear."""
+    if example_inputs is not None:
+        if isinstance(example_inputs, dict):
+            args, kwargs = (), dict(example_inputs)
+        elif isinstance(example_inputs, (tuple, list)):
+            args, kwargs = tuple(example_inputs), {}
+        else:
+            args, kwargs = (example_inputs,), {}
+        shapes = [tuple(np.shape(getattr(a, "data", a))) for a in list(args) + list(kwargs.values())
+                  if hasattr(a, "shape")]
+        return args, kwargs, f"inputs {', '.join(map(str, shapes))}"
+    first = next((m for _, m in model.named_modules() if isinstance(m, (Embedding, Linear))), None)
+    if isinstance(first, Embedding):
+        x = np.zeros((2, 8), np.int64)
+    elif isinstance(first, Linear):
+        x = np.zeros((2, 8, first.in_features), first.weight.dtype)
+    else:
+        raise TypeError(f"{type(model).__name__} has no Linear or Embedding layer to plan; "
+                        f"parallelize it with replicate() or fully_shard() instead.")
+    return (x,), {}, f"a guessed batch {x.shape} (pass example_inputs= to price your own)"
+
+
+def _find_tp_dp(mesh: DeviceMesh):
+    from dtensor.parallel.api import _tp_dim
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim > 2:
+        _tp_dim(mesh, None)  # raises with the fix
+    if mesh.ndim == 2 and not {"dp", "tp"} <= set(names):
+        raise ValueError(f"parallelize on a 2-D mesh needs dims named 'dp' and 'tp', got "
+                         f"{mesh._dims_text()}; use init_device_mesh('cpu', (dp, tp), "
+                         f"mesh_dim_names=('dp', 'tp')).")
+    dp = mesh._dim("dp") if "dp" in names else None
+    tp = None if (mesh.ndim == 1 and dp == 0) else _tp_dim(mesh, None)
+    return tp, dp
+
+
+def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
+         sequence_parallel: bool = False, loss_parallel: bool = True, fsdp: bool | None = None,
+         max_bytes_per_rank: int | None = None) -> Plan:
+    """Find a tensor- (and data-) parallel plan for ``model`` on ``mesh`` from its traced
+    forward; ``print(plan)`` explains it and ``plan.apply(model)`` applies it.
+
+    Args:
+        example_inputs: the forward's arguments (a tuple, a dict of keywords, or one array), the
+            global batch; the plan's prices are for this batch. Without it the planner guesses
+            a small batch from the first layer.
+        sequence_parallel: the residual stream between chains is Shard(1) (sequence shards).
+        loss_parallel: the head is column-parallel and cross-entropy runs on vocabulary shards.
+        fsdp: on a mesh with a "dp" dim, shard parameters over it (True), keep them whole
+            (False), or (None) decide by ``max_bytes_per_rank``: parameters, gradients and two
+            Adam moments per rank must fit.
+    """
+    from dtensor.validate import as_bool
+    t0 = time.perf_counter()
+    sequence_parallel = as_bool(sequence_parallel, "plan: sequence_parallel")
+    loss_parallel = as_bool(loss_parallel, "plan: loss_parallel")
+    if fsdp is not None:
+        fsdp = as_bool(fsdp, "plan: fsdp")
+    tp, dp = _find_tp_dp(mesh)
+    if fsdp and dp is None:
+        raise ValueError(f"fsdp=True shards parameters over a 'dp' mesh dim, and mesh "
+                         f"{mesh._dims_text()} has none; name one 'dp'.")
+    args, kwargs, batch = _example(model, example_inputs)
+    g = _Graph(*_trace(model, (args, kwargs)))
+    n = mesh.size(tp) if tp is not None else 1
+    ndp = mesh.size(dp) if dp is not None else 1
+    layout = _Layout(g, n, sequence_parallel, loss_parallel)
+    if tp is not None:
+        layout.find()
+    layout.styles()
+    out = Plan(mesh, tp, dp, layout.style, sequence_parallel, loss_parallel, bool(fsdp),
+               batch=batch)
+    out.rows = layout.rows()
+    if tp is not None and n > 1:
+        out.collectives = layout.price(ndp)
+    per_rank = layout.param_bytes_per_rank()
+    if fsdp is None:
+        fsdp = False
+        if max_bytes_per_rank is not None and dp is not None and 4 * per_rank > max_bytes_per_rank:
+            fsdp = True
+    if max_bytes_per_rank is not None:
+        need = 4 * per_rank // (ndp if fsdp else 1)
+        if need > max_bytes_per_rank:
+            raise ValueError(
+                f"plan: parameters, gradients and two Adam moments need {need:,d} B per rank "
+                f"with this layout{' and fsdp' if fsdp else ''}, over max_bytes_per_rank="
+                f"{max_bytes_per_rank:,d}. Use more ranks (a larger 'tp' or 'dp' with fsdp), or "
+                f"raise the budget.")
+    out.fsdp = bool(fsdp)
+    if dp is not None and ndp > 1:
+        out.collectives += layout.price_dp(ndp, out.fsdp)
+    out.memory = {"parameters": per_rank // (ndp if out.fsdp else 1),
+                  "with gradients and Adam moments": 4 * per_rank // (ndp if out.fsdp else 1)}
+    if tp is not None and n > 1:
+        ref = _reference(model, n, sequence_parallel, loss_parallel)
+        if ref is not None:
+            name, styles = ref
+            other = _Layout(g, n, sequence_parallel, loss_parallel)
+            other.from_styles(model, styles)
+            other.styles()
+            out.reference = _totals(other.price(ndp) + (layout.price_dp(ndp, out.fsdp)
+                                                        if dp is not None and ndp > 1 else []))
+            out.reference_name = name
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _reference(model: Module, n: int, sp: bool, lp: bool):
+    """The hand-written Megatron plan for this model, if it has one: its own ``tp_plan`` (as
+    Hugging Face models carry one) or ``gpt_plan`` for dtensor.nn.GPT-shaped models."""
+    from dtensor.parallel.api import _gpt_parts, gpt_plan
+    own = getattr(model, "tp_plan", None)
+    if callable(own):
+        try:
+            return f"{type(model).__name__}.tp_plan", own(n, sequence_parallel=sp,
+                                                          loss_parallel=lp)
+        except ValueError:
+            return None
+    try:
+        _gpt_parts(model)
+    except TypeError:
+        return None
+    return "Megatron's plan (gpt_plan)", gpt_plan(sp, lp)
+
+
+# ----------------------------------------------------------------------------- layout
+
+_ROLE_TEXT = {
+    "col": "Linear weight Shard(0) (output features)",
+    "row": "Linear weight Shard(1) (input features)",
+    "head": "Linear weight Shard(0), logits Shard(-1)",
+    "gathered": "Linear weight Shard(0), logits gathered",
+    "vocab": "Embedding weight Shard(0) (vocab rows)",
+}
+
+
+class _Layout:
+    """Roles of the layers (from the finder, or read off a hand-written plan), the conversion
+    points, the styles that implement them, and their price."""
+
+    def __init__(self, g: _Graph, n: int, sp: bool, lp: bool):
+        self.g, self.n, self.sp, self.lp = g, n, sp, lp
+        self.role: dict[int, tuple] = {}  # module id -> (module, role, why)
+        self.chains: list[_Chain] = []
+        self.refused: dict[int, str] = {}
+        self.style: dict = {}
+        self.bounds: list = []  # (value node, consumers, kind, module call or None)
+        self.stream = Shard(1) if sp else R
+
+    # -- roles
+    def find(self):
+        f = _Finder(self.g, self.n, self.lp).find()
+        self.chains, self.refused = f.chains, f.refused
+        for k, ch in enumerate(self.chains):
+            paths = lambda ms: ", ".join(_owner_path(self.g, m) for m in ms)  # noqa: E731
+            if ch.head:
+                why = ("the head: its logits go to the loss on vocabulary shards (loss_parallel)"
+                       if ch.head != "gathered" else "the head: its logits are gathered")
+                self.role[id(ch.cols[0])] = (ch.cols[0], "head" if ch.head != "gathered"
+                                             else "gathered", why)
+                continue
+            for m in ch.cols:
+                self.role[id(m)] = (m, "col", f"chain {k}: column side, split up to "
+                                              f"{paths(ch.rows)}")
+            for m in ch.rows:
+                self.role[id(m)] = (m, "row", f"chain {k}: row side, after {paths(ch.cols)}")
+            for m in ch.shared:
+                self.role[id(m)] = (m, "shared", f"chain {k}: whole (it cannot split evenly); "
+                                                 f"its output is cut locally")
+        for c in self.g.tables:
+            if id(c.module) in self.role:
+                continue
+            if not _token_table(self.g, c):
+                self.refused[id(c.module)] = ("indexed by positions the model computes: a small "
+                                              "table Megatron keeps whole")
+            elif c.module.num_embeddings < self.n:
+                self.refused[id(c.module)] = f"fewer rows than the {self.n} ranks"
+            else:
+                self.role[id(c.module)] = (c.module, "vocab", "vocabulary table indexed by the "
+                                                              "model's input: vocab-parallel")
+        self._untie_tables()
+
+    def _untie_tables(self):
+        """A weight tied between a vocab-parallel table and a layer laid out otherwise keeps
+        both whole (a tied weight has one layout)."""
+        owners: dict[int, list] = {}
+        for c in self.g.calls:
+            for p in c.module._parameters.values():
+                if p is not None:
+                    owners.setdefault(id(p), []).append(c.module)
+        shard0 = ("vocab", "head", "gathered", "col")
+        for mods in owners.values():
+            roles = {self.role.get(id(m), (None, None))[1] for m in mods}
+            if len(set(id(m) for m in mods)) > 1 and "vocab" in roles and not roles <= set(shard0):
+                for m in mods:
+                    if self.role.get(id(m), (None, None))[1] == "vocab":
+                        del self.role[id(m)]
+                        self.refused[id(m)] = "its weight is tied to a layer kept whole"
+
+    def from_styles(self, model: Module, styles: dict):
+        """Roles read off a hand-written plan (to price it the same way)."""
+        from dtensor.parallel.api import _plan_hits
+        from dtensor.parallel.style import ColwiseParallel, RowwiseParallel
+        for style, _, m in _plan_hits(model, styles):
+            if isinstance(style, ColwiseParallel) and isinstance(m, Linear):
+                head = style.input_layouts is not None or style.output_layouts is not None
+                if head:
+                    role = "gathered" if style.output_layouts == R else "head"
+                else:
+                    role = "col"
+                self.role[id(m)] = (m, role, "")
+            elif isinstance(style, RowwiseParallel):
+                self.role[id(m)] = (m, "vocab" if isinstance(m, Embedding) else "row", "")
+        cols = {k for k, (_, r, _) in self.role.items() if r == "col"}
+        for c in self.g.linears:  # layers a chain cuts locally but the plan keeps whole
+            if id(c.module) in self.role or not cols:
+                continue
+            try:
+                self.g.walk(cols | {id(c.module)}, self.n, True)
+            except _Break:
+                continue
+            try:
+                _, _, sliced, _ = self.g.walk(cols, self.n, True)
+            except _Break:
+                continue
+            if any(c in self.g.sources(a) for a in sliced):
+                self.role[id(c.module)] = (c.module, "shared", "")
+
+    # -- conversion points and styles
+    def _consumers(self) -> dict:
+        """Chain input value id -> (value, [Linear calls that split it])."""
+        out: dict = {}
+        for c in self.g.linears:
+            if self.role.get(id(c.module), (None, None))[1] in ("col", "head", "gathered") \
+                    and c.args and c.args[0] is not None:
+                out.setdefault(c.args[0].id, (c.args[0], []))[1].append(c)
+        return out
+
+    def _boundary(self, value, consumers):
+        """Where one chain input is converted: the smallest module (not the root, not one of
+        the consumers) that takes it as a positional argument and holds every consumer, else the
+        module that returned it, else (None) each consumer converts its own input."""
+        best = None
+        for c in self.g.calls:
+            if not c.path or any(c.module is k.module for k in consumers):
+                continue
+            if isinstance(c.module, (Linear, Embedding)) and id(c.module) in self.role:
+                continue
+            if any(a is value for a in c.args) and all(
+                    k.path.startswith(c.path + ".") for k in consumers):
+                if best is None or len(c.path) > len(best[1].path):
+                    best = ("input", c)
+        if best is not None:
+            return best
+        for c in self.g.calls:
+            if c.path and c.out is value and id(c.module) not in self.role:
+                return ("output", c)
+        return (None, None)
+
+    def styles(self):
+        from dtensor.parallel.style import (ColwiseParallel, PrepareModuleInput,
+                                            PrepareModuleOutput, RowwiseParallel,
+                                            SequenceParallel)
+        st, stream = {}, self.stream
+        converted = set()
+        for value, consumers in self._consumers().values():
+            kind, call = self._boundary(value, consumers)
+            self.bounds.append((value, consumers, kind, call))
+            if kind == "input":
+                i = next(k for k, a in enumerate(call.args) if a is value)
+                src = tuple(stream if k == i else None for k in range(i + 1))
+                dst = tuple(R if k == i else None for k in range(i + 1))
+                st[call.path] = PrepareModuleInput(input_layouts=src, desired_input_layouts=dst)
+            elif kind == "output":
+                st[call.path] = PrepareModuleOutput(output_layouts=(stream,),
+                                                    desired_output_layouts=(R,),
+                                                    use_local_output=False)
+            else:
+                converted |= {id(k.module) for k in consumers}
+        for _, (m, role, _) in self.role.items():
+            path = _owner_path(self.g, m)
+            if role == "col":
+                st[path] = ColwiseParallel(input_layouts=stream if id(m) in converted else None,
+                                           use_local_output=False)
+            elif role in ("head", "gathered"):
+                st[path] = ColwiseParallel(input_layouts=stream,
+                                           output_layouts=Shard(-1) if role == "head" else R,
+                                           use_local_output=False)
+            elif role == "row":
+                st[path] = RowwiseParallel(output_layouts=stream, use_local_output=False)
+            elif role == "vocab":
+                st[path] = RowwiseParallel(input_layouts=R, output_layouts=stream,
+                                           use_local_output=False)
+        if self.sp:
+            region = set().union(*[ch.region for ch in self.chains]) if self.chains else set()
+            for c in self.g.calls:
+                if (c.path and c.path not in st and not c.module._modules and c.args
+                        and c.args[0] is not None and c.out is not None
+                        and len(c.args[0].shape) >= 3 and c.out.shape == c.args[0].shape
+                        and c.args[0].id not in region and id(c.module) not in self.role):
+                    st[c.path] = SequenceParallel()
+        self.style = dict(sorted(st.items(), key=lambda kv: self._order(kv[0])))
+        return self.style
+
+    def _order(self, path: str):
+        for i, c in enumerate(self.g.calls):
+            if c.path == path:
+                return i
+        return len(self.g.calls)
+
+    # -- prices
+    def price(self, ndp: int) -> list:
+        """(where, phase, kind, count, bytes) per rank per step for the "tp" dim."""
+        g, out = self.g, []
+        act = lambda node: _nbytes(node) // ndp  # noqa: E731  (one dp rank's rows)
+
+        def add(where, phase, kind, nbytes):
+            out.append((where, phase, kind, 1, int(nbytes)))
+
+        for value, consumers, kind, call in self.bounds:
+            where = (call.path + (" (input)" if kind == "input" else " (output)")
+                     if call is not None else consumers[0].path)
+            times = 1 if call is not None or not self.sp else len(consumers)
+            for _ in range(times):
+                if self.sp:
+                    add(where, "forward", "all_gather", act(value))
+                    add(where, "backward", "reduce_scatter", act(value))
+                else:
+                    add(where, "backward", "all_reduce", act(value))
+        for c in g.linears + g.tables:
+            role = self.role.get(id(c.module), (None, None))[1]
+            if role in ("row", "vocab"):
+                if self.sp:
+                    add(c.path, "forward", "reduce_scatter", act(c.out))
+                    add(c.path, "backward", "all_gather", act(c.out))
+                else:
+                    add(c.path, "forward", "all_reduce", act(c.out))
+            elif role == "gathered":
+                add(c.path, "forward", "all_gather", act(c.out))
+            elif role == "head":
+                for n in g.graph.nodes:
+                    if n.name == "softmax_cross_entropy" and c in g.sources(n.inputs[0]):
+                        for what in ("max", "sum of exp", "target logit"):
+                            add(f"{c.path} (loss: {what})", "forward", "all_reduce", act(n))
+        seen = set()
+        for m, role, _ in self.role.values():
+            if role == "shared" and id(m) not in seen:
+                seen.add(id(m))
+                for name, p in m.named_parameters():
+                    add(f"{_owner_path(g, m)}.{name} grad", "backward", "all_reduce",
+                        p.data.nbytes)
+        for name, nbytes in self._partial_grads():
+            add(f"{name} grad", "backward", "all_reduce", nbytes)
+        return out
+
+    def _partial_grads(self) -> list:
+        """Whole parameters that meet split data (a norm on sequence shards, a per-head norm
+        inside a chain): their gradients are partial sums, all-reduced when stored."""
+        g = self.g
+        params = {n.id: n for n in g.graph.inputs if n.name and not str(n.name).startswith("input ")}
+        planned = set()
+        for m, role, _ in self.role.values():
+            if role != "shared":
+                planned |= {id(p) for p in m.parameters()}
+        by_node = {}
+        for path, p in self._named_params():
+            if id(p) not in planned:
+                by_node[path] = p
+        for c in g.tables:  # a whole table's rows stand for its weight
+            if id(c.module) not in self.role and c.out is not None and c.module.weight is not None:
+                name = next((k for k, p in by_node.items() if p is c.module.weight), None)
+                if name is not None:
+                    params[c.out.id] = SimpleNamespace(name=name)
+        region = set().union(*[ch.region for ch in self.chains]) if self.chains else set()
+        hit = []
+        for node in g.graph.nodes:
+            if node.id in g.inside:
+                continue
+            acts = [a for a in node.inputs if hasattr(a, "id") and a.id not in params]
+            ps = [a for a in node.inputs if hasattr(a, "id") and a.id in params]
+            if not ps or not acts:
+                continue
+            split = any(a.id in region for a in acts) or (
+                self.sp and any(len(a.shape) >= 3 and a.id not in region for a in acts))
+            if split:
+                hit += [params[p.id].name for p in ps if params[p.id].name in by_node]
+        seen, out = set(), []
+        for name in hit:
+            if name not in seen:
+                seen.add(name)
+                out.append((name, by_node[name].data.nbytes))
+        return out
+
+    def _named_params(self):
+        root = self.g.calls[0].module if self.g.calls else None
+        return list(root.named_parameters()) if root is not None else []
+
+    def _rank_bytes(self, m, name, p) -> int:
+        role = self.role.get(id(m), (None, None))[1]
+        split = role in ("col", "head", "gathered", "vocab") or (role == "row" and name == "weight")
+        return -(-p.data.nbytes // self.n) if split else p.data.nbytes
+
+    def _param_table(self):
+        """(path, module, name, parameter) once per parameter."""
+        out, seen = [], set()
+        root = self.g.calls[0].module
+        for prefix, m in root.named_modules():
+            for name, p in m._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((f"{prefix}.{name}".lstrip("."), m, name, p))
+        return out
+
+    def param_bytes_per_rank(self) -> int:
+        return sum(self._rank_bytes(m, n, p) for _, m, n, p in self._param_table())
+
+    def price_dp(self, ndp: int, fsdp: bool) -> list:
+        """Data parallel over "dp": every gradient all-reduced, or with FSDP every parameter
+        gathered forward and its gradient reduce-scattered; the mean loss's sum and count."""
+        out = []
+        for path, m, name, p in self._param_table():
+            b = self._rank_bytes(m, name, p)
+            if fsdp:
+                out.append((path, "forward", "all_gather", 1, b))
+                out.append((path, "backward", "reduce_scatter", 1, b))
+            else:
+                out.append((path + " grad", "backward", "all_reduce", 1, b))
+        if any(n.name == "softmax_cross_entropy" for n in self.g.graph.nodes):
+            out.append(("loss mean over the batch rows", "forward", "all_reduce", 1, 4))
+        return out
+
+    # -- the explanation
+    def rows(self) -> list:
+        out = []
+        bounds = {id(c.module): (kind, v) for v, _, kind, c in self.bounds if c is not None}
+        for c in self.g.calls:
+            if not c.path or any(c.path == r[0] for r in out):
+                continue
+            m = c.module
+            if id(m) in self.role:
+                _, role, why = self.role[id(m)]
+                out.append((c.path, _ROLE_TEXT.get(role, "Linear weight whole"), why))
+            elif id(m) in bounds:
+                kind, v = bounds[id(m)]
+                s = self.style.get(c.path)
+                where = (f"{kind} {self.stream!r} -> Replicate" if s is not None else "")
+                out.append((c.path, where, f"one conversion of a chain input {v.shape}, "
+                                           f"shared by its consumers"))
+            elif c.path in self.style:
+                out.append((c.path, "sequence shards Shard(1)", "between chains (SP)"))
+            elif m._parameters and any(p is not None for p in m._parameters.values()):
+                why = self.refused.get(id(m), "not a Linear or an Embedding" if not isinstance(
+                    m, (Linear, Embedding)) else "not reached")
+                out.append((c.path, "replicated", why))
+        return out

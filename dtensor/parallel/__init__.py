@@ -4,9 +4,10 @@
 from dtensor.parallel.api import gpt_plan, parallelize, parallelize_module
 from dtensor.parallel.data_parallel import fully_shard, replicate
 from dtensor.parallel.loss import loss_parallel
+from dtensor.parallel.planner import Plan, plan
 from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                     PrepareModuleOutput, RowwiseParallel, SequenceParallel)
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "parallelize_module", "parallelize",
-           "gpt_plan", "loss_parallel", "replicate", "fully_shard"]
+           "gpt_plan", "loss_parallel", "replicate", "fully_shard", "plan", "Plan"]

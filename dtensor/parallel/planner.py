@@ -45,6 +45,7 @@ import numpy as np
 from dtensor.mesh import DeviceMesh
 from dtensor.nn.layers import Embedding, Linear
 from dtensor.nn.module import Module
+from dtensor.parallel.style import ParallelStyle
 from dtensor.placements import Partial, Replicate, Shard
 
 __all__ = ["plan", "Plan"]
@@ -161,6 +162,7 @@ class _Graph:
         for c in self.linears:
             self.calls_of.setdefault(id(c.module), []).append(c)
         self.first_inside = {c.start: c for c in self.linears}
+        self.last_use = {k: max(self.index[u.id] for u in us) for k, us in self.users.items()}
         self.made_by = {}  # node id -> the Linear call whose output it is
         for c in self.linears:
             if c.out is not None:
@@ -180,11 +182,18 @@ class _Graph:
         for c in seeds:
             if c.out is None:
                 raise _Break(f"{c.path} returns no single tensor")
+            if c.module.out_features < tp:
+                raise _Break(f"{c.path} has {c.module.out_features} output features, fewer "
+                             f"than the {tp} ranks")
             place[c.out.id] = Shard(len(c.out.shape) - 1)
         rows, heads, sliced = {}, set(), []
         start = min(self.index.get(c.out.id, 0) for c in seeds)
+        # the walk ends past the last use of a split value
+        horizon = max(self.last_use.get(c.out.id, -1) for c in seeds)
         mesh = _mesh1(tp)
         for node in self.graph.nodes[start:]:
+            if self.index[node.id] > horizon:
+                break
             call = self.inside.get(node.id)
             if call is not None:
                 if node.id == call.start and call.args and call.args[0] is not None:
@@ -192,7 +201,8 @@ class _Graph:
                     if p != R:
                         x = call.args[0]
                         if isinstance(call.module, Linear) and p == Shard(len(x.shape) - 1) \
-                                and id(call.module) not in cols:
+                                and id(call.module) not in cols \
+                                and call.module.in_features >= tp:
                             rows[id(call.module)] = call.module
                         else:
                             raise _Break(f"{call.path} ({type(call.module).__name__}) takes the "
@@ -225,6 +235,7 @@ class _Graph:
             out = st.out[0]
             if out != R:
                 place[node.id] = out
+                horizon = max(horizon, self.last_use.get(node.id, -1))
                 if id(node) in self.outputs:
                     if head_ok and out == Shard(len(node.shape) - 1):
                         heads.add("output")
@@ -586,6 +597,20 @@ def _reference(model: Module, n: int, sp: bool, lp: bool):
 
 # ----------------------------------------------------------------------------- layout
 
+class _Both(ParallelStyle):
+    """Two styles on one module (a conversion of its input and one of its output)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def apply(self, module, mesh, tp, path):
+        self.first.apply(module, mesh, tp, path)
+        return self.second.apply(module, mesh, tp, path)
+
+    def __repr__(self) -> str:
+        return f"{self.first!r} + {self.second!r}"
+
+
 _ROLE_TEXT = {
     "col": "Linear weight Shard(0) (output features)",
     "row": "Linear weight Shard(1) (input features)",
@@ -673,6 +698,11 @@ class _Layout:
             elif isinstance(style, RowwiseParallel):
                 self.role[id(m)] = (m, "vocab" if isinstance(m, Embedding) else "row", "")
         cols = {k for k, (_, r, _) in self.role.items() if r == "col"}
+        try:  # where the plan's split values go
+            region = set(self.g.walk(cols, self.n, True)[3]) if cols else set()
+        except _Break:
+            region = set()
+        self.chains = [_Chain([], [], [], region=region)]
         for c in self.g.linears:  # layers a chain cuts locally but the plan keeps whole
             if id(c.module) in self.role or not cols:
                 continue
@@ -689,11 +719,16 @@ class _Layout:
 
     # -- conversion points and styles
     def _consumers(self) -> dict:
-        """Chain input value id -> (value, [Linear calls that split it])."""
+        """Value id -> (value, [Linear calls that need it whole]): the inputs of the column
+        side of chains and, under sequence parallelism, the sequence shards a Linear left
+        whole reads (its (B, T, C) -> (B * T, C) reshape cannot keep a sequence split)."""
         out: dict = {}
+        seq = self._sequence_sharded()
         for c in self.g.linears:
-            if self.role.get(id(c.module), (None, None))[1] in ("col", "head", "gathered") \
-                    and c.args and c.args[0] is not None:
+            role = self.role.get(id(c.module), (None, None))[1]
+            if not c.args or c.args[0] is None:
+                continue
+            if role in ("col", "head", "gathered") or (role is None and c.args[0].id in seq):
                 out.setdefault(c.args[0].id, (c.args[0], []))[1].append(c)
         return out
 
@@ -713,10 +748,31 @@ class _Layout:
                     best = ("input", c)
         if best is not None:
             return best
-        for c in self.g.calls:
+        for c in reversed(self.g.calls):  # the innermost module that returned it
             if c.path and c.out is value and id(c.module) not in self.role:
                 return ("output", c)
         return (None, None)
+
+    def _sequence_sharded(self) -> set:
+        """Under sequence parallelism, the ids of the values that are sequence shards: what the
+        row-parallel layers and vocabulary tables return, and what ops outside the chains
+        compute from it. (A model's own float input stays replicated until such a value joins
+        it.)"""
+        if not self.sp:
+            return set()
+        g, out = self.g, set()
+        region = set().union(*[ch.region for ch in self.chains]) if self.chains else set()
+        for c in g.linears + g.tables:
+            if self.role.get(id(c.module), (None, None))[1] in ("row", "vocab") \
+                    and c.out is not None:
+                out.add(c.out.id)
+        for node in g.graph.nodes:
+            if node.id in g.inside or node.id in region or node.id in out:
+                continue
+            if any(hasattr(a, "id") and a.id in out for a in node.inputs) \
+                    and len(node.shape) >= 2:
+                out.add(node.id)
+        return out
 
     def styles(self):
         from dtensor.parallel.style import (ColwiseParallel, PrepareModuleInput,
@@ -724,20 +780,41 @@ class _Layout:
                                             SequenceParallel)
         st, stream = {}, self.stream
         converted = set()
+        seq = self._sequence_sharded()
+
+        def rejoin(call, value, style):
+            """A module left whole on sequence shards: its input is gathered, and its output
+            rejoins the stream through a conversion whose backward gathers the gradient (an
+            op that cut it silently would hand its (B, T, C) -> (B * T, C) reshape a split
+            gradient)."""
+            if value.id not in seq or call.out is None or call.out.shape != value.shape:
+                return style, None
+            back = PrepareModuleOutput(output_layouts=(R,), desired_output_layouts=(stream,),
+                                       use_local_output=False)
+            return _Both(style, back), call.out
+
         for value, consumers in self._consumers().values():
             kind, call = self._boundary(value, consumers)
-            self.bounds.append((value, consumers, kind, call))
+            whole = all(id(k.module) not in self.role for k in consumers)
+            back = None
             if kind == "input":
                 i = next(k for k, a in enumerate(call.args) if a is value)
                 src = tuple(stream if k == i else None for k in range(i + 1))
                 dst = tuple(R if k == i else None for k in range(i + 1))
                 st[call.path] = PrepareModuleInput(input_layouts=src, desired_input_layouts=dst)
+                if whole:
+                    st[call.path], back = rejoin(call, value, st[call.path])
             elif kind == "output":
                 st[call.path] = PrepareModuleOutput(output_layouts=(stream,),
                                                     desired_output_layouts=(R,),
                                                     use_local_output=False)
             else:
                 converted |= {id(k.module) for k in consumers}
+                for k in consumers:  # a whole Linear converts its own input
+                    if id(k.module) not in self.role:
+                        st[k.path], back = rejoin(k, value, PrepareModuleInput(
+                            input_layouts=(stream,), desired_input_layouts=(R,)))
+            self.bounds.append((value, consumers, kind, call, back))
         for _, (m, role, _) in self.role.items():
             path = _owner_path(self.g, m)
             if role == "col":
@@ -747,18 +824,23 @@ class _Layout:
                 st[path] = ColwiseParallel(input_layouts=stream,
                                            output_layouts=Shard(-1) if role == "head" else R,
                                            use_local_output=False)
+            if id(m) in converted and role in ("col", "head", "gathered"):
+                # its own conversion point, so its input's gradient (a partial sum) is
+                # reduced here and not carried back through the stream
+                st[path] = _Both(PrepareModuleInput(input_layouts=(stream,),
+                                                    desired_input_layouts=(R,)), st[path])
             elif role == "row":
                 st[path] = RowwiseParallel(output_layouts=stream, use_local_output=False)
             elif role == "vocab":
                 st[path] = RowwiseParallel(input_layouts=R, output_layouts=stream,
                                            use_local_output=False)
         if self.sp:
-            region = set().union(*[ch.region for ch in self.chains]) if self.chains else set()
+            seq = self._sequence_sharded()
             for c in self.g.calls:
                 if (c.path and c.path not in st and not c.module._modules and c.args
                         and c.args[0] is not None and c.out is not None
-                        and len(c.args[0].shape) >= 3 and c.out.shape == c.args[0].shape
-                        and c.args[0].id not in region and id(c.module) not in self.role):
+                        and c.args[0].id in seq and c.out.shape == c.args[0].shape
+                        and id(c.module) not in self.role):
                     st[c.path] = SequenceParallel()
         self.style = dict(sorted(st.items(), key=lambda kv: self._order(kv[0])))
         return self.style
@@ -778,15 +860,22 @@ class _Layout:
         def add(where, phase, kind, nbytes):
             out.append((where, phase, kind, 1, int(nbytes)))
 
-        for value, consumers, kind, call in self.bounds:
+        seq = self._sequence_sharded()
+        for value, consumers, kind, call, back in self.bounds:
+            if back is not None:
+                add((call.path if call is not None else consumers[0].path) + " (output)",
+                    "backward", "all_gather", act(back))
             where = (call.path + (" (input)" if kind == "input" else " (output)")
                      if call is not None else consumers[0].path)
-            times = 1 if call is not None or not self.sp else len(consumers)
+            times = 1 if call is not None else len(consumers)
+            # a gradient from split consumers is a partial sum; from whole ones it is whole
+            split = any(id(k.module) in self.role for k in consumers)
             for _ in range(times):
-                if self.sp:
+                if value.id in seq:
                     add(where, "forward", "all_gather", act(value))
-                    add(where, "backward", "reduce_scatter", act(value))
-                else:
+                    if split:
+                        add(where, "backward", "reduce_scatter", act(value))
+                elif split:
                     add(where, "backward", "all_reduce", act(value))
         for c in g.linears + g.tables:
             role = self.role.get(id(c.module), (None, None))[1]
@@ -833,6 +922,7 @@ class _Layout:
                 if name is not None:
                     params[c.out.id] = SimpleNamespace(name=name)
         region = set().union(*[ch.region for ch in self.chains]) if self.chains else set()
+        seq = self._sequence_sharded()
         hit = []
         for node in g.graph.nodes:
             if node.id in g.inside:
@@ -841,8 +931,7 @@ class _Layout:
             ps = [a for a in node.inputs if hasattr(a, "id") and a.id in params]
             if not ps or not acts:
                 continue
-            split = any(a.id in region for a in acts) or (
-                self.sp and any(len(a.shape) >= 3 and a.id not in region for a in acts))
+            split = any(a.id in region or a.id in seq for a in acts)
             if split:
                 hit += [params[p.id].name for p in ps if params[p.id].name in by_node]
         seen, out = set(), []
@@ -893,7 +982,7 @@ class _Layout:
     # -- the explanation
     def rows(self) -> list:
         out = []
-        bounds = {id(c.module): (kind, v) for v, _, kind, c in self.bounds if c is not None}
+        bounds = {id(c.module): (kind, v) for v, _, kind, c, _ in self.bounds if c is not None}
         for c in self.g.calls:
             if not c.path or any(c.path == r[0] for r in out):
                 continue

@@ -241,27 +241,42 @@ def gpt_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
     return plan
 
 
-def _fsdp_dim(p: DTensor, tp: int | None) -> int:
+def _fsdp_dim(p: DTensor, tp: int | None) -> int | None:
     """The tensor dim FSDP shards over "dp": dim 0, or dim 1 when "tp" shards dim 0 of a
-    matrix, so gathering it is a plain all-gather over "dp". A vector "tp" already shards
-    (a column-parallel bias) is nested-sharded on dim 0; the redistribute table orders that."""
+    matrix, so gathering it is a plain all-gather over "dp". None for a vector "tp" already
+    shards (a column-parallel bias): nested in the tp shard, its dp pieces would gather
+    through the whole vector, an all-gather over "tp" too on every forward, to save a few
+    bytes; it stays whole over "dp" and its gradient is all-reduced as in data parallel."""
     taken = p.placements[tp].dim if tp is not None and isinstance(p.placements[tp], Shard) else None
-    return 1 if taken == 0 and p.ndim > 1 else 0
+    if taken == 0 and p.ndim == 1:
+        return None
+    return 1 if taken == 0 else 0
 
 
 def _shard_params_fsdp(model: Module, mesh: DeviceMesh, dp: int, tp: int | None) -> None:
-    """Store every parameter Shard(k) over "dp" on the model's own mesh; each module with
-    parameters gathers its own for its forward (fully_shard's mechanism, without its batch
-    handling: parallelize lays the batch out itself)."""
-    for _, m in model.named_modules():
-        owners = [(m, n, p) for n, p in m._parameters.items() if p is not None]
+    """Store every parameter Shard(k) over "dp" on the model's own mesh (but see _fsdp_dim);
+    each module with parameters gathers its own for its forward (fully_shard's mechanism,
+    without its batch handling: parallelize lays the batch out itself). A parameter tied
+    between modules is laid out once and gathered by the model for its whole forward, so every
+    use reads the one parameter."""
+    tied = {id(group[0][1]._parameters[group[0][2]]) for group in _tied(model)}
+    groups = [(m, [(m, n, p) for n, p in m._parameters.items()
+                   if p is not None and id(p) not in tied]) for _, m in model.named_modules()]
+    groups.append((model, [(m, n, p) for _, m in model.named_modules()
+                           for n, p in m._parameters.items() if p is not None and id(p) in tied]))
+    for m, owners in groups:
+        owners = [(o, n, p) for o, n, p in owners if _fsdp_dim(p, tp) is not None]
         if not owners:
             continue
-        for _, n, p in owners:  # parallelize() made every parameter a DTensor already
-            distribute_param(m, n, mesh, dp, Shard(_fsdp_dim(p, tp)))
-        owners = [(m, n, m._parameters[n]) for _, n, _ in owners]
-        group = _ShardedParams(owners, {id(p): dp for _, _, p in owners},
-                               {id(p): None for _, _, p in owners})
+        done: dict = {}
+        for o, n, p in owners:  # parallelize() made every parameter a DTensor already
+            if id(p) not in done:
+                distribute_param(o, n, mesh, dp, Shard(_fsdp_dim(p, tp)))
+                done[id(p)] = o._parameters[n]
+            o._parameters[n] = done[id(p)]
+        owners = [(o, n, o._parameters[n]) for o, n, _ in owners]
+        params = {id(p) for _, _, p in owners}
+        group = _ShardedParams(owners, dict.fromkeys(params, dp), dict.fromkeys(params))
 
         def around(inner, *args, _group=group, **kwargs):
             with _group.gathered(reshard=False):

@@ -543,8 +543,6 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
     out = Plan(mesh, tp, dp, layout.style, sequence_parallel, loss_parallel, bool(fsdp),
                batch=batch)
     out.rows = layout.rows()
-    if tp is not None and n > 1:
-        out.collectives = layout.price(ndp)
     per_rank = layout.param_bytes_per_rank()
     if fsdp is None:
         fsdp = False
@@ -559,6 +557,8 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
                 f"{max_bytes_per_rank:,d}. Use more ranks (a larger 'tp' or 'dp' with fsdp), or "
                 f"raise the budget.")
     out.fsdp = bool(fsdp)
+    if tp is not None and n > 1:
+        out.collectives = layout.price(ndp, out.fsdp)
     if dp is not None and ndp > 1:
         out.collectives += layout.price_dp(ndp, out.fsdp)
     out.memory = {"parameters": per_rank // (ndp if out.fsdp else 1),
@@ -570,7 +570,7 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
             other = _Layout(g, n, sequence_parallel, loss_parallel)
             other.from_styles(model, styles)
             other.styles()
-            out.reference = _totals(other.price(ndp) + (layout.price_dp(ndp, out.fsdp)
+            out.reference = _totals(other.price(ndp, out.fsdp) + (layout.price_dp(ndp, out.fsdp)
                                                         if dp is not None and ndp > 1 else []))
             out.reference_name = name
     out.seconds = time.perf_counter() - t0
@@ -632,6 +632,8 @@ class _Layout:
         self.style: dict = {}
         self.bounds: list = []  # (value node, consumers, kind, module call or None)
         self.stream = Shard(1) if sp else R
+        self.deferred: list = []  # (module call, row calls, parameters whose grads are partial)
+        self.partial: set = set()  # ids of the values that stay partial sums inside them
 
     # -- roles
     def find(self):
@@ -665,6 +667,105 @@ class _Layout:
                 self.role[id(c.module)] = (c.module, "vocab", "vocabulary table indexed by the "
                                                               "model's input: vocab-parallel")
         self._untie_tables()
+        self._defer()
+
+    def _defer(self):
+        """Row-parallel outputs that a module only adds up (experts weighted by their gates,
+        attention and MLP of a parallel block) stay partial sums up to the module's output and
+        are reduced once there, not once each."""
+        g = self.g
+        rows = [c for c in g.linears if self.role.get(id(c.module), (None, None))[1] == "row"]
+        seq = self._sequence_sharded()
+        calls = []
+        for m in g.calls:
+            if not m.path or isinstance(m.module, (Linear, Embedding)) or m.out is None:
+                continue
+            inner = [r for r in rows if m.start <= r.start and r.end <= m.end]
+            if len(inner) >= 2:
+                calls.append((m, inner))
+        calls.sort(key=lambda mr: (-len(mr[1]), mr[0].path.count(".")))
+        done: set = set()
+        for m, inner in calls:
+            if any(id(r) in done for r in inner):
+                continue
+            found = self._partial_walk(m, inner, seq)
+            if found is not None:
+                self.deferred.append((m, inner, found[1]))
+                self.partial |= found[0]
+                done |= {id(r) for r in inner}
+
+    def _partial_walk(self, m: _Call, inner: list, seq: set):
+        """(partial value ids, parameters whose gradients become partial) if the row outputs
+        ``inner`` reach ``m``'s output as partial sums through linear ops only, else None."""
+        from dtensor.ops.registry import Aval
+        from dtensor.sharding import propagate
+        g, P = self.g, Partial()
+        place = {r.out.id: P for r in inner}
+        tainted = []
+        mesh = _mesh1(self.n)
+        for node in g.graph.nodes[g.index[min(r.out.id for r in inner)]:]:
+            if node.id >= m.end:
+                break
+            if node.id in g.inside:
+                call = g.inside[node.id]
+                if node.id == call.start and any(hasattr(a, "id") and a.id in place
+                                                 for a in call.args):
+                    return None  # a layer reads the partial sum
+                continue
+            ins = [None if not hasattr(a, "id") else place.get(a.id, self.stream if a.id in seq
+                                                                else R) for a in node.inputs]
+            if not any(isinstance(p, Partial) for p in ins):
+                continue
+            if node.kind != "op":
+                return None
+            avals = [Aval(a.shape, a.dtype) if hasattr(a, "id") else a for a in node.inputs]
+            try:
+                st = propagate(g.ops[node.name], avals, node.params,
+                               [None if p is None else (p,) for p in ins],
+                               Aval(node.shape, node.dtype), mesh)
+            except (ValueError, NotImplementedError):
+                return None
+            if not isinstance(st.out[0], Partial):
+                return None
+            for a, cur, need in zip(node.inputs, ins, st.inputs):
+                if need is None or cur is None:
+                    continue
+                if isinstance(cur, Partial) and need[0] != cur:
+                    return None
+                if not isinstance(cur, Partial) and not isinstance(need[0], Partial):
+                    tainted.append(a)  # multiplies a partial sum: its gradient is one too
+            place[node.id] = st.out[0]
+        if m.out.id not in place:
+            return None
+        end = next((i for i, n in enumerate(g.graph.nodes) if n.id >= m.end), len(g.graph.nodes))
+        if any(g.last_use.get(k, -1) >= end for k in place if k != m.out.id):
+            return None  # a partial sum used after the module
+        if m.out.id in g.outputs:
+            return None
+        return set(place), self._params_behind(tainted, m)
+
+    def _params_behind(self, values: list, m: _Call) -> list:
+        """Where the partial gradients of ``values`` are reduced: going back inside ``m``'s
+        call through linear ops, the first nonlinear op's output (its backward needs the
+        gradient whole), or a parameter (reduced when stored)."""
+        params = {n.id for n in self.g.graph.inputs}
+        out, todo, seen = [], list(values), set()
+        while todo:
+            n = todo.pop()
+            if not hasattr(n, "id") or n.id in seen:
+                continue
+            seen.add(n.id)
+            if n.id in params:
+                if not str(n.name).startswith("input "):
+                    out.append(n)
+                continue
+            if n.id < m.start:
+                continue
+            if self.g.ops[n.name].linearity == "none":
+                out.append(n)
+                continue
+            todo.extend(n.inputs)
+        return out
 
     def _untie_tables(self):
         """A weight tied between a vocab-parallel table and a layer laid out otherwise keeps
@@ -764,10 +865,12 @@ class _Layout:
         region = set().union(*[ch.region for ch in self.chains]) if self.chains else set()
         for c in g.linears + g.tables:
             if self.role.get(id(c.module), (None, None))[1] in ("row", "vocab") \
-                    and c.out is not None:
+                    and c.out is not None and c.out.id not in self.partial:
                 out.add(c.out.id)
+        out |= {call.out.id for call, _, _ in self.deferred}
         for node in g.graph.nodes:
-            if node.id in g.inside or node.id in region or node.id in out:
+            if node.id in g.inside or node.id in region or node.id in out \
+                    or node.id in self.partial:
                 continue
             if any(hasattr(a, "id") and a.id in out for a in node.inputs) \
                     and len(node.shape) >= 2:
@@ -815,6 +918,11 @@ class _Layout:
                         st[k.path], back = rejoin(k, value, PrepareModuleInput(
                             input_layouts=(stream,), desired_input_layouts=(R,)))
             self.bounds.append((value, consumers, kind, call, back))
+        deferred = {id(r.module) for _, rows, _ in self.deferred for r in rows}
+        for call, _, _ in self.deferred:
+            back = PrepareModuleOutput(output_layouts=(Partial(),),
+                                       desired_output_layouts=(stream,), use_local_output=False)
+            st[call.path] = _Both(st[call.path], back) if call.path in st else back
         for _, (m, role, _) in self.role.items():
             path = _owner_path(self.g, m)
             if role == "col":
@@ -830,7 +938,8 @@ class _Layout:
                 st[path] = _Both(PrepareModuleInput(input_layouts=(stream,),
                                                     desired_input_layouts=(R,)), st[path])
             elif role == "row":
-                st[path] = RowwiseParallel(output_layouts=stream, use_local_output=False)
+                st[path] = RowwiseParallel(output_layouts=Partial() if id(m) in deferred
+                                           else stream, use_local_output=False)
             elif role == "vocab":
                 st[path] = RowwiseParallel(input_layouts=R, output_layouts=stream,
                                            use_local_output=False)
@@ -852,9 +961,12 @@ class _Layout:
         return len(self.g.calls)
 
     # -- prices
-    def price(self, ndp: int) -> list:
+    def price(self, ndp: int, fsdp: bool = False) -> list:
         """(where, phase, kind, count, bytes) per rank per step for the "tp" dim."""
         g, out = self.g, []
+        shards = {id(p): self._dp_piece(m, name, p, ndp) if fsdp else p.data.nbytes
+                  for _, m, name, p in self._param_table()}
+        by_name = {path: p for path, _, _, p in self._param_table()}
         act = lambda node: _nbytes(node) // ndp  # noqa: E731  (one dp rank's rows)
 
         def add(where, phase, kind, nbytes):
@@ -877,8 +989,25 @@ class _Layout:
                         add(where, "backward", "reduce_scatter", act(value))
                 elif split:
                     add(where, "backward", "all_reduce", act(value))
+        deferred = {id(r) for _, rows, _ in self.deferred for r in rows}
+        for call, rows, params in self.deferred:
+            where = f"{call.path} (output)"
+            if self.sp:
+                add(where, "forward", "reduce_scatter", act(call.out))
+                add(where, "backward", "all_gather", act(call.out))
+            else:
+                add(where, "forward", "all_reduce", act(call.out))
+            for p in params:
+                if p.kind == "input":  # reduced over "tp" after its reduce-scatter over "dp"
+                    add(f"{p.name} grad", "backward", "all_reduce",
+                        shards[id(by_name[p.name])] if p.name in by_name else _nbytes(p))
+                else:
+                    add(f"{call.path}: %{p.id} {p.name} grad", "backward", "all_reduce",
+                        _nbytes(p) // ndp)
         for c in g.linears + g.tables:
             role = self.role.get(id(c.module), (None, None))[1]
+            if id(c) in deferred:
+                continue
             if role in ("row", "vocab"):
                 if self.sp:
                     add(c.path, "forward", "reduce_scatter", act(c.out))
@@ -899,8 +1028,8 @@ class _Layout:
                 for name, p in m.named_parameters():
                     add(f"{_owner_path(g, m)}.{name} grad", "backward", "all_reduce",
                         p.data.nbytes)
-        for name, nbytes in self._partial_grads():
-            add(f"{name} grad", "backward", "all_reduce", nbytes)
+        for name, _ in self._partial_grads():
+            add(f"{name} grad", "backward", "all_reduce", shards[id(by_name[name])])
         return out
 
     def _partial_grads(self) -> list:
@@ -961,6 +1090,23 @@ class _Layout:
                     out.append((f"{prefix}.{name}".lstrip("."), m, name, p))
         return out
 
+    def _dp_piece(self, m, name, p, ndp: int) -> int:
+        """Bytes of rank 0's piece of a parameter FSDP shards over "dp" (its "tp" shard cut
+        on the dim parallelize's FSDP cuts), or of the whole "tp" shard if it stays whole."""
+        b = self._rank_bytes(m, name, p)
+        role = self.role.get(id(m), (None, None))[1]
+        split0 = role in ("col", "head", "gathered", "vocab")
+        if p.ndim == 1 and split0:
+            return b
+        d = 1 if split0 and p.ndim > 1 else 0
+        shape = list(p.shape)
+        if split0:
+            shape[0] = -(-shape[0] // self.n)
+        elif role == "row" and name == "weight":
+            shape[1] = -(-shape[1] // self.n)
+        shape[d] = -(-shape[d] // ndp)
+        return int(np.prod(shape)) * p.data.dtype.itemsize
+
     def param_bytes_per_rank(self) -> int:
         return sum(self._rank_bytes(m, n, p) for _, m, n, p in self._param_table())
 
@@ -970,7 +1116,8 @@ class _Layout:
         out = []
         for path, m, name, p in self._param_table():
             b = self._rank_bytes(m, name, p)
-            if fsdp:
+            tp_vector = p.ndim == 1 and self._rank_bytes(m, name, p) < p.data.nbytes
+            if fsdp and not tp_vector:  # (a column-parallel bias stays whole over "dp")
                 out.append((path, "forward", "all_gather", 1, b))
                 out.append((path, "backward", "reduce_scatter", 1, b))
             else:
@@ -990,6 +1137,12 @@ class _Layout:
             if id(m) in self.role:
                 _, role, why = self.role[id(m)]
                 out.append((c.path, _ROLE_TEXT.get(role, "Linear weight whole"), why))
+            elif any(call.module is m for call, _, _ in self.deferred):
+                rows = next(r for call, r, _ in self.deferred if call.module is m)
+                out.append((c.path, f"output Partial -> {self.stream!r}",
+                            f"adds up {len(rows)} row-parallel outputs "
+                            f"({', '.join(r.path for r in rows)}): one reduction, not "
+                            f"{len(rows)}"))
             elif id(m) in bounds:
                 kind, v = bounds[id(m)]
                 s = self.style.get(c.path)

@@ -481,6 +481,7 @@ def _example(model: Module, example_inputs):
         shapes = [tuple(np.shape(getattr(a, "data", a))) for a in list(args) + list(kwargs.values())
                   if hasattr(a, "shape")]
         return args, kwargs, f"inputs {', '.join(map(str, shapes))}"
+    import inspect
     first = next((m for _, m in model.named_modules() if isinstance(m, (Embedding, Linear))), None)
     if isinstance(first, Embedding):
         x = np.zeros((2, 8), np.int64)
@@ -489,7 +490,14 @@ def _example(model: Module, example_inputs):
     else:
         raise TypeError(f"{type(model).__name__} has no Linear or Embedding layer to plan; "
                         f"parallelize it with replicate() or fully_shard() instead.")
-    return (x,), {}, f"a guessed batch {x.shape} (pass example_inputs= to price your own)"
+    try:  # as many arguments as the forward requires (token ids and their targets, say)
+        need = [q for q in inspect.signature(model.forward).parameters.values()
+                if q.default is q.empty and q.kind in (q.POSITIONAL_ONLY,
+                                                       q.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        need = [None]
+    return ((x,) * max(1, len(need)), {},
+            f"a guessed batch {x.shape} (pass example_inputs= to price your own)")
 
 
 def _find_tp_dp(mesh: DeviceMesh):
@@ -533,7 +541,15 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
         raise ValueError(f"fsdp=True shards parameters over a 'dp' mesh dim, and mesh "
                          f"{mesh._dims_text()} has none; name one 'dp'.")
     args, kwargs, batch = _example(model, example_inputs)
-    g = _Graph(*_trace(model, (args, kwargs)))
+    try:
+        g = _Graph(*_trace(model, (args, kwargs)))
+    except Exception as e:
+        if example_inputs is not None:
+            raise
+        raise TypeError(
+            f"plan: {type(model).__name__}.forward failed on {batch.split(' (')[0]}: "
+            f"{type(e).__name__}: {e}. Pass example_inputs=, the arguments of one forward "
+            f"(the global batch), e.g. parallelize(model, mesh, example_inputs=(x, y)).") from e
     n = mesh.size(tp) if tp is not None else 1
     ndp = mesh.size(dp) if dp is not None else 1
     layout = _Layout(g, n, sequence_parallel, loss_parallel)
@@ -799,24 +815,15 @@ class _Layout:
             elif isinstance(style, RowwiseParallel):
                 self.role[id(m)] = (m, "vocab" if isinstance(m, Embedding) else "row", "")
         cols = {k for k, (_, r, _) in self.role.items() if r == "col"}
-        try:  # where the plan's split values go
-            region = set(self.g.walk(cols, self.n, True)[3]) if cols else set()
+        try:  # where the plan's split values go, and the whole layers an op cuts locally
+            _, _, sliced, region = self.g.walk(cols, self.n, True) if cols else ({}, (), [], {})
         except _Break:
-            region = set()
-        self.chains = [_Chain([], [], [], region=region)]
-        for c in self.g.linears:  # layers a chain cuts locally but the plan keeps whole
-            if id(c.module) in self.role or not cols:
-                continue
-            try:
-                self.g.walk(cols | {id(c.module)}, self.n, True)
-            except _Break:
-                continue
-            try:
-                _, _, sliced, _ = self.g.walk(cols, self.n, True)
-            except _Break:
-                continue
-            if any(c in self.g.sources(a) for a in sliced):
-                self.role[id(c.module)] = (c.module, "shared", "")
+            sliced, region = [], {}
+        self.chains = [_Chain([], [], [], region=set(region))]
+        for a in sliced:
+            for c in self.g.sources(a):
+                if id(c.module) not in self.role:
+                    self.role[id(c.module)] = (c.module, "shared", "")
 
     # -- conversion points and styles
     def _consumers(self) -> dict:

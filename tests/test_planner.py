@@ -5,16 +5,12 @@ replicated, with the reason), and on GPT and Llama the plan's bytes equal the ha
 plan's."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import dtensor
 import planner_models as zoo
-from dtensor import DTensor
 from dtensor.comm import count_collectives
 from dtensor.nn import GPT, GPTConfig, Llama, LlamaConfig
 from dtensor.parallel import plan

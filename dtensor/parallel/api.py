@@ -19,7 +19,6 @@ from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModul
                                     distribute_param, wrap_forward)
 from dtensor.placements import Replicate, Shard
 from dtensor.tensor import TensorMethods
-from dtensor.validate import as_bool
 
 __all__ = ["parallelize_module", "parallelize", "replicate"]
 

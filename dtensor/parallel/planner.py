@@ -35,7 +35,6 @@ tensor; tests compare them with the collectives a real run issues.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -162,6 +161,9 @@ class _Graph:
         for c in self.linears:
             self.calls_of.setdefault(id(c.module), []).append(c)
         self.first_inside = {c.start: c for c in self.linears}
+        self.cache: dict = {}
+        # graph inputs that are parameters (named by path), not the batch ("input 0", ...)
+        self.params = {n.id: n for n in graph.inputs if not str(n.name).startswith("input ")}
         self.last_use = {k: max(self.index[u.id] for u in us) for k, us in self.users.items()}
         self.made_by = {}  # node id -> the Linear call whose output it is
         for c in self.linears:
@@ -175,8 +177,6 @@ class _Graph:
         their input (row-parallel), the kinds of head exits reached ("loss", "output"), the
         values an op cut locally from whole ones, and each split value's placement. Raises
         _Break with the reason."""
-        from dtensor.ops.registry import Aval
-        from dtensor.sharding import propagate
         place: dict[int, object] = {}
         seeds = [c for c in self.linears if id(c.module) in cols]
         for c in seeds:
@@ -190,7 +190,6 @@ class _Graph:
         start = min(self.index.get(c.out.id, 0) for c in seeds)
         # the walk ends past the last use of a split value
         horizon = max(self.last_use.get(c.out.id, -1) for c in seeds)
-        mesh = _mesh1(tp)
         for node in self.graph.nodes[start:]:
             if self.index[node.id] > horizon:
                 break
@@ -218,13 +217,7 @@ class _Graph:
                     heads.add("loss")
                     continue
                 raise _Break("the loss reads the split logits whole (loss_parallel=False)")
-            op = self.ops[node.name]
-            avals = [Aval(a.shape, a.dtype) if hasattr(a, "id") else a for a in node.inputs]
-            try:
-                st = propagate(op, avals, node.params, [None if p is None else (p,) for p in ins],
-                               Aval(node.shape, node.dtype), mesh)
-            except (ValueError, NotImplementedError) as e:
-                raise _Break(f"{node.name} cannot keep the split ({str(e).splitlines()[0]})")
+            st = self.propagate(node, ins, tp)
             for a, cur, need in zip(node.inputs, ins, st.inputs):
                 if need is None or cur is None or need[0] == cur:
                     continue
@@ -249,6 +242,32 @@ class _Graph:
                     raise _Break("the model returns the split value")
                 heads.add("output")
         return rows, heads, sliced, place
+
+    def propagate(self, node, ins, tp: int):
+        """The sharding rule's strategy for ``node`` with inputs laid out ``ins`` on one mesh
+        dim of ``tp`` ranks (cached: a model's layers repeat the same ops at the same shapes),
+        or _Break."""
+        from dtensor.ops.registry import Aval
+        from dtensor.sharding import propagate
+        avals = [Aval(a.shape, a.dtype) if hasattr(a, "id") else a for a in node.inputs]
+        try:
+            key = (node.name, tuple(avals), tuple(sorted(node.params.items())), tuple(ins), tp)
+            hash(key)
+        except TypeError:
+            key = None
+        hit = self.cache.get(key) if key is not None else None
+        if hit is None:
+            try:
+                hit = propagate(self.ops[node.name], avals, node.params,
+                                [None if p is None else (p,) for p in ins],
+                                Aval(node.shape, node.dtype), _mesh1(tp))
+            except (ValueError, NotImplementedError) as e:
+                hit = _Break(f"{node.name} cannot keep the split ({str(e).splitlines()[0]})")
+            if key is not None:
+                self.cache[key] = hit
+        if isinstance(hit, _Break):
+            raise hit
+        return hit
 
     def sources(self, node) -> set:
         """The Linear calls whose outputs ``node`` is computed from, through ops only."""
@@ -713,12 +732,9 @@ class _Layout:
     def _partial_walk(self, m: _Call, inner: list, seq: set):
         """(partial value ids, parameters whose gradients become partial) if the row outputs
         ``inner`` reach ``m``'s output as partial sums through linear ops only, else None."""
-        from dtensor.ops.registry import Aval
-        from dtensor.sharding import propagate
         g, P = self.g, Partial()
         place = {r.out.id: P for r in inner}
         tainted = []
-        mesh = _mesh1(self.n)
         for node in g.graph.nodes[g.index[min(r.out.id for r in inner)]:]:
             if node.id >= m.end:
                 break
@@ -734,12 +750,9 @@ class _Layout:
                 continue
             if node.kind != "op":
                 return None
-            avals = [Aval(a.shape, a.dtype) if hasattr(a, "id") else a for a in node.inputs]
             try:
-                st = propagate(g.ops[node.name], avals, node.params,
-                               [None if p is None else (p,) for p in ins],
-                               Aval(node.shape, node.dtype), mesh)
-            except (ValueError, NotImplementedError):
+                st = g.propagate(node, ins, self.n)
+            except _Break:
                 return None
             if not isinstance(st.out[0], Partial):
                 return None
@@ -764,15 +777,14 @@ class _Layout:
         """Where the partial gradients of ``values`` are reduced: going back inside ``m``'s
         call through linear ops, the first nonlinear op's output (its backward needs the
         gradient whole), or a parameter (reduced when stored)."""
-        params = {n.id for n in self.g.graph.inputs}
         out, todo, seen = [], list(values), set()
         while todo:
             n = todo.pop()
             if not hasattr(n, "id") or n.id in seen:
                 continue
             seen.add(n.id)
-            if n.id in params:
-                if not str(n.name).startswith("input "):
+            if n.kind == "input":
+                if n.id in self.g.params:
                     out.append(n)
                 continue
             if n.id < m.start:
@@ -1043,7 +1055,7 @@ class _Layout:
         """Whole parameters that meet split data (a norm on sequence shards, a per-head norm
         inside a chain): their gradients are partial sums, all-reduced when stored."""
         g = self.g
-        params = {n.id: n for n in g.graph.inputs if n.name and not str(n.name).startswith("input ")}
+        params = dict(g.params)
         planned = set()
         for m, role, _ in self.role.values():
             if role != "shared":

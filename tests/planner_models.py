@@ -8,14 +8,17 @@ Llama's attribute names), each forward(inputs, targets) -> scalar loss.
                own fused layout) or q|k|v-major (nanoGPT's .split(C, dim=2))
     Parallel   GPT-J style: attention and MLP read one norm, their sum joins the residual
     Mixture    a mixture-of-experts MLP: a softmax router over experts in a ModuleList
+    Shared     ALBERT-like: one layer applied at every depth (its weights used several times),
+               q/k/v with biases and a per-head RMSNorm on queries and keys (as Qwen3), a
+               Sequential feed-forward
 """
 from __future__ import annotations
 
 import numpy as np
 
 from dtensor import arange
-from dtensor.nn import (Embedding, LayerNorm, Linear, Module, ModuleList, RMSNorm,
-                        RotaryEmbedding)
+from dtensor.nn import (GELU, Embedding, LayerNorm, Linear, Module, ModuleList, RMSNorm,
+                        RotaryEmbedding, Sequential)
 from dtensor.nn import functional as F
 from dtensor.nn.layers import apply_rotary
 
@@ -252,5 +255,53 @@ class Mixture(Module):
     batch = Encoder.batch
 
 
+# ----------------------------------------------------------------------------- Shared
+
+class _QkNormAttention(Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.to_q, self.to_k, self.to_v = (Linear(width, width) for _ in range(3))
+        self.q_norm, self.k_norm = RMSNorm(width // heads), RMSNorm(width // heads)
+        self.to_out = Linear(width, width, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        split = lambda t: t.view(B, T, self.heads, -1).transpose(1, 2)  # noqa: E731
+        q, k = self.q_norm(split(self.to_q(x))), self.k_norm(split(self.to_k(x)))
+        y = F.scaled_dot_product_attention(q, k, split(self.to_v(x)), is_causal=True)
+        return self.to_out(y.transpose(1, 2).reshape(B, T, C))
+
+
+class _SharedLayer(Module):
+    def __init__(self, width, heads, hidden):
+        super().__init__()
+        self.n1, self.n2 = LayerNorm(width), LayerNorm(width)
+        self.attend = _QkNormAttention(width, heads)
+        self.ff = Sequential(Linear(width, hidden), GELU(), Linear(hidden, width))
+
+    def forward(self, x):
+        x = x + self.attend(self.n1(x))
+        return x + self.ff(self.n2(x))
+
+
+class Shared(Module):
+    def __init__(self, vocab=VOCAB, width=WIDTH, heads=HEADS, hidden=32, depth=3):
+        super().__init__()
+        self.depth = depth
+        self.vocab = Embedding(vocab, width)
+        self.layer = _SharedLayer(width, heads, hidden)
+        self.norm = LayerNorm(width)
+        self.out = Linear(width, vocab, bias=False)
+
+    def forward(self, ids, targets):
+        x = self.vocab(ids)
+        for _ in range(self.depth):
+            x = self.layer(x)
+        return _lm_loss(self.out(self.norm(x)), targets)
+
+    batch = Encoder.batch
+
+
 MODELS = {"stack": Stack, "encoder": Encoder, "fused": lambda: Fused(True),
-          "fused_qkv_major": lambda: Fused(False), "parallel": Parallel, "mixture": Mixture}
+          "fused_qkv_major": lambda: Fused(False), "parallel": Parallel, "mixture": Mixture, "shared": Shared}

@@ -1048,8 +1048,20 @@ class _Layout:
                     add(f"{_owner_path(g, m)}.{name} grad", "backward", "all_reduce",
                         p.data.nbytes)
         for name, _ in self._partial_grads():
-            add(f"{name} grad", "backward", "all_reduce", shards[id(by_name[name])])
+            p = by_name[name]
+            out.append((f"{name} grad", "backward", "all_reduce",
+                        self._gathers(p) if fsdp else 1, shards[id(p)]))
         return out
+
+    def _gathers(self, p) -> int:
+        """How many times FSDP gathers ``p`` (and reduces its gradient) per step: once per call
+        of the module holding it, once for a parameter tied between modules (the model
+        gathers it)."""
+        owners = {id(c.module) for c in self.g.calls if any(
+            q is p for q in c.module._parameters.values())}
+        if len(owners) != 1:
+            return 1
+        return sum(1 for c in self.g.calls if id(c.module) in owners)
 
     def _partial_grads(self) -> list:
         """Whole parameters that meet split data (a norm on sequence shards, a per-head norm
@@ -1137,8 +1149,9 @@ class _Layout:
             b = self._rank_bytes(m, name, p)
             tp_vector = p.ndim == 1 and self._rank_bytes(m, name, p) < p.data.nbytes
             if fsdp and not tp_vector:  # (a column-parallel bias stays whole over "dp")
-                out.append((path, "forward", "all_gather", 1, b))
-                out.append((path, "backward", "reduce_scatter", 1, b))
+                k = self._gathers(p)
+                out.append((path, "forward", "all_gather", k, b))
+                out.append((path, "backward", "reduce_scatter", k, b))
             else:
                 out.append((path + " grad", "backward", "all_reduce", 1, b))
         if any(n.name == "softmax_cross_entropy" for n in self.g.graph.nodes):

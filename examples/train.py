@@ -415,8 +415,10 @@ def build_model(cfg: TrainConfig, vocab_size: int, mesh):
         model = GPT(GPTConfig(block_size=cfg.block_size, vocab_size=vocab_size,
                               n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
                               dropout=cfg.dropout))
-    if mesh is not None:
-        parallelize(model, mesh, sequence_parallel=cfg.sp, fsdp=cfg.fsdp)
+    if mesh is not None:  # planned on a batch of the run's shape (DTENSOR_DEBUG=1 prints it)
+        batch = np.zeros((cfg.batch_size, cfg.block_size), np.int64)
+        parallelize(model, mesh, sequence_parallel=cfg.sp, fsdp=cfg.fsdp,
+                    example_inputs=(batch, batch))
     return model
 
 

@@ -304,4 +304,5 @@ class Shared(Module):
 
 
 MODELS = {"stack": Stack, "encoder": Encoder, "fused": lambda: Fused(True),
-          "fused_qkv_major": lambda: Fused(False), "parallel": Parallel, "mixture": Mixture, "shared": Shared}
+          "fused_qkv_major": lambda: Fused(False), "parallel": Parallel, "mixture": Mixture,
+          "shared": Shared}

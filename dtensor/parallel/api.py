@@ -1,5 +1,5 @@
-"""``parallelize_module`` (a plan of styles) and ``parallelize`` (the Megatron plan for
-dtensor.nn Transformers, with data parallelism and FSDP on a 2-D mesh)."""
+"""``parallelize_module`` (a plan of styles) and ``parallelize`` (any model: a plan found by
+dtensor/parallel/planner.py, with data parallelism or FSDP on a 2-D mesh)."""
 from __future__ import annotations
 
 import os
@@ -172,34 +172,6 @@ def _plan_hits(module: Module, plan) -> list:
 
 
 # ----------------------------------------------------------------------------- parallelize
-
-
-def _gpt_parts(model) -> dict:
-    """The Transformer pieces parallelize() knows, or a TypeError that shows how to pass a plan."""
-    try:
-        blocks = list(model.blocks)
-        attn, mlp = blocks[0].attn, blocks[0].mlp
-        parts = dict(n_head=attn.n_head, n_embd=attn.q.in_features,
-                     hidden=mlp.fc1.out_features, vocab=model.wte.num_embeddings,
-                     n_layer=len(blocks))
-        for b in blocks:
-            b.ln1, b.ln2, b.attn.k, b.attn.v, b.attn.proj, b.mlp.fc2  # noqa: B018 (presence)
-        model.wpe, model.ln_f, model.lm_head  # noqa: B018
-    except (AttributeError, TypeError, IndexError) as e:
-        raise TypeError(
-            f"parallelize() recognises dtensor.nn.GPT-shaped models (wte, wpe, blocks[i].ln1/"
-            f"attn.q/k/v/proj/ln2/mlp.fc1/fc2, ln_f, lm_head); {type(model).__name__} is not one "
-            f"({e}). Describe its layout with a plan instead:\n{_PLAN_EXAMPLE}") from None
-    return parts
-
-
-def _check_divisible(parts: dict, tp: int) -> None:
-    if parts["n_head"] % tp:
-        raise ValueError(
-            f"tp={tp} does not divide n_head={parts['n_head']}: column-parallel q/k/v give each "
-            f"rank whole attention heads (the (B, T, C) -> (B, T, heads, head_dim) reshape keeps "
-            f"the heads dim sharded only if the heads split evenly). Pick tp from the divisors "
-            f"of {parts['n_head']}.")
 
 
 def gpt_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:

@@ -615,19 +615,18 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
 def _reference(model: Module, n: int, sp: bool, lp: bool):
     """The hand-written Megatron plan for this model, if it has one: its own ``tp_plan`` (as
     Hugging Face models carry one) or ``gpt_plan`` for dtensor.nn.GPT-shaped models."""
-    from dtensor.parallel.api import _gpt_parts, gpt_plan
+    from dtensor.parallel.api import _plan_hits, gpt_plan
     own = getattr(model, "tp_plan", None)
-    if callable(own):
-        try:
-            return f"{type(model).__name__}.tp_plan", own(n, sequence_parallel=sp,
-                                                          loss_parallel=lp)
-        except ValueError:
-            return None
     try:
-        _gpt_parts(model)
-    except TypeError:
+        if callable(own):
+            name, styles = f"{type(model).__name__}.tp_plan", own(n, sequence_parallel=sp,
+                                                                  loss_parallel=lp)
+        else:
+            name, styles = "Megatron's plan (gpt_plan)", gpt_plan(sp, lp)
+        _plan_hits(model, styles)  # every key names a module of this model
+    except (ValueError, TypeError):
         return None
-    return "Megatron's plan (gpt_plan)", gpt_plan(sp, lp)
+    return name, styles
 
 
 # ----------------------------------------------------------------------------- layout
@@ -1174,7 +1173,10 @@ class _Layout:
                 out.append((c.path, f"output Partial -> {self.stream!r}",
                             f"adds up {len(rows)} row-parallel outputs "
                             f"({', '.join(r.path for r in rows)}): one reduction, not "
-                            f"{len(rows)}"))
+                            f"{len(rows)}. Whole chains on different ranks (expert "
+                            f"parallel) would move the same bytes (this reduction and the "
+                            f"input's); each chain is split, which keeps the ranks' work "
+                            f"equal whatever the weights"))
             elif id(m) in bounds:
                 kind, v = bounds[id(m)]
                 s = self.style.get(c.path)

@@ -43,6 +43,16 @@ def _api_cases(tmp: str):
     def gpt(**kw):
         return GPT(GPTConfig(**{**small, **kw}))
 
+    class _Counted(dtensor.nn.Module):
+        """A forward no guessed batch runs: its second argument is a Python int."""
+
+        def __init__(self):
+            super().__init__()
+            self.emb = dtensor.nn.Embedding(10, 4)
+
+        def forward(self, ids, steps):
+            return self.emb(ids) * steps.bit_length()
+
     def compiled(fn, *args):
         return lambda: dtensor.compile(fn)(*args)
 
@@ -148,8 +158,12 @@ def _api_cases(tmp: str):
         ("prepare input lengths", lambda: PrepareModuleInput(
             input_layouts=(Shard(1), Replicate()), desired_input_layouts=(Replicate(),)),
          ValueError, r"\(S\(1\), R\).*\(R,\)"),
-        ("parallelize heads", lambda: parallelize(gpt(n_head=3, n_embd=15), mesh), ValueError,
-         r"tp=2 does not divide n_head=3"),
+        ("parallelize guess", lambda: parallelize(_Counted(), mesh), TypeError,
+         r"_Counted\.forward failed on a guessed batch \(2, 1\) \(and on shorter ones\): "
+         r"AttributeError: .*bit_length.*\. Pass example_inputs="),
+        ("plan budget", lambda: parallelize(gpt(), mesh, max_bytes_per_rank=10,
+                                            example_inputs=np.zeros((2, 4), np.int64)),
+         ValueError, r"need [\d,]+ B per rank with this layout, over max_bytes_per_rank=10\."),
         ("parallelize 3-D", lambda: parallelize(gpt(), init_device_mesh(
             "cpu", (1, 1, 2), mesh_dim_names=("dp", "tp", "pp"))), ValueError,
          r"got a 3-D mesh \(dp=1, tp=1, pp=2\)"),
@@ -157,8 +171,8 @@ def _api_cases(tmp: str):
          ValueError, r"needs dims named 'dp' and 'tp', got \(0=1, 1=2\)"),
         ("parallelize fsdp", lambda: parallelize(gpt(), mesh, fsdp=True), ValueError,
          r"mesh \(tp=2\) has none"),
-        ("parallelize model", lambda: parallelize(Linear(2, 2), mesh), TypeError,
-         r"Linear is not one"),
+        ("parallelize no layers", lambda: parallelize(dtensor.nn.LayerNorm(4), mesh), TypeError,
+         r"LayerNorm has no Linear or Embedding layer to plan.*replicate\(\) or fully_shard"),
         # -- compile
         ("compile branch", compiled(branchy, dtensor.ones(2)), TracingError,
          r"bool\(tensor\).*test_bad_input\.py:\d+: if t\.sum\(\) > 0"),

@@ -1,6 +1,7 @@
 """Tensor, sequence and data parallelism: parallel styles, ``parallelize_module`` with a plan,
-``parallelize`` for dtensor.nn Transformers, ``loss_parallel``, and ``replicate`` (DDP) and
-``fully_shard`` (FSDP2) for any module."""
+``plan`` (a plan found from any model's traced forward, explained) and ``parallelize`` (found
+and applied), ``loss_parallel``, and ``replicate`` (DDP) and ``fully_shard`` (FSDP2) for any
+module."""
 from dtensor.parallel.api import gpt_plan, parallelize, parallelize_module
 from dtensor.parallel.data_parallel import fully_shard, replicate
 from dtensor.parallel.loss import loss_parallel

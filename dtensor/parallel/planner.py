@@ -76,7 +76,10 @@ def _node(x):
 
 
 def _trace(model: Module, example_inputs):
-    """(graph, calls, output nodes) of one forward of ``model`` on traced data."""
+    """(graph, calls, output nodes) of one forward of ``model`` on traced data. Nothing the
+    forward touches changes: parameters get their arrays back, and the random stream (dropout
+    draws keys) is where it was, so planning does not shift any later draw."""
+    from dtensor import random
     from dtensor.compile.api import _flatten
     from dtensor.compile.trace import Tracer
     from dtensor.tensor import Tensor
@@ -85,6 +88,7 @@ def _trace(model: Module, example_inputs):
     calls: list[_Call] = []
     handles, saved = [], []
     stack: list[_Call] = []
+    stream = (random._seed, random._stream)
 
     for path, m in model.named_modules():
         def pre(mod, args, _path=path):
@@ -118,6 +122,7 @@ def _trace(model: Module, example_inputs):
             leaves: list = []
             _flatten(result, leaves)
     finally:
+        random._seed, random._stream = stream
         for p, d in saved:
             p.data = d
         for m, key in handles:
@@ -157,10 +162,6 @@ class _Graph:
         for c in self.linears + self.tables:
             for i in range(c.start, c.end):
                 self.inside[i] = c
-        self.calls_of: dict[int, list[_Call]] = {}
-        for c in self.linears:
-            self.calls_of.setdefault(id(c.module), []).append(c)
-        self.first_inside = {c.start: c for c in self.linears}
         self.cache: dict = {}
         # graph inputs that are parameters (named by path), not the batch ("input 0", ...)
         self.params = {n.id: n for n in graph.inputs if not str(n.name).startswith("input ")}
@@ -170,7 +171,7 @@ class _Graph:
             if c.out is not None:
                 self.made_by[c.out.id] = c
 
-    def walk(self, cols: set, tp: int, head_ok: bool):
+    def walk(self, cols: set, tp: int):
         """Propagate Shard(-1) from the outputs of the Linear modules ``cols``.
 
         Returns (rows, heads, sliced, place): the Linear modules that take the split value as
@@ -213,10 +214,10 @@ class _Graph:
             if node.kind != "op":
                 raise _Break(f"%{node.id} {node.name}")
             if node.name == "softmax_cross_entropy":
-                if head_ok and ins[0] == Shard(len(node.inputs[0].shape) - 1):
-                    heads.add("loss")
+                if ins[0] == Shard(len(node.inputs[0].shape) - 1):
+                    heads.add("loss")  # vocab-parallel under loss_parallel
                     continue
-                raise _Break("the loss reads the split logits whole (loss_parallel=False)")
+                raise _Break(f"the loss reads the split logits laid out {ins[0]}")
             st = self.propagate(node, ins, tp)
             for a, cur, need in zip(node.inputs, ins, st.inputs):
                 if need is None or cur is None or need[0] == cur:
@@ -230,17 +231,12 @@ class _Graph:
                 place[node.id] = out
                 horizon = max(horizon, self.last_use.get(node.id, -1))
                 if id(node) in self.outputs:
-                    if head_ok and out == Shard(len(node.shape) - 1):
-                        heads.add("output")
-                    else:
+                    if out != Shard(len(node.shape) - 1):
                         raise _Break(f"the model returns the split value laid out {out}")
+                    heads.add("output")
             if isinstance(out, Partial):
                 raise _Break(f"{node.name} sums over the split features")
-        for c in seeds:
-            if id(c.out) in self.outputs:
-                if not head_ok:
-                    raise _Break("the model returns the split value")
-                heads.add("output")
+        heads |= {"output" for c in seeds if id(c.out) in self.outputs}
         return rows, heads, sliced, place
 
     def propagate(self, node, ins, tp: int):
@@ -321,6 +317,10 @@ class Plan:
     def totals(self) -> dict:
         """kind -> (count, bytes) per rank per step."""
         return _totals(self.collectives)
+
+    def explain(self) -> str:
+        """The explanation ``print(plan)`` shows."""
+        return str(self)
 
     def apply(self, model: Module) -> Module:
         from dtensor.parallel.api import _parallelize
@@ -414,17 +414,17 @@ class _Finder:
 
     def _grow(self, seed: _Call):
         """The chain seeded at ``seed`` (its column side grown to a fixpoint), or None."""
-        cols, whole, head_ok = {id(seed.module): seed.module}, {}, True
+        cols, whole = {id(seed.module): seed.module}, {}
         try:
             while True:
-                rows, heads, sliced, place = self.g.walk(set(cols), self.tp, head_ok)
+                rows, heads, sliced, place = self.g.walk(set(cols), self.tp)
                 grow = {id(c.module): c.module for a in sliced for c in self.g.sources(a)}
                 grow = {k: m for k, m in grow.items() if k not in cols and k not in whole}
                 if not grow:
                     break
                 for k, m in grow.items():  # one at a time: each must keep the chain valid
                     try:
-                        self.g.walk(set(cols) | {k}, self.tp, head_ok)
+                        self.g.walk(set(cols) | {k}, self.tp)
                         cols[k] = m
                     except _Break:
                         whole[k] = m
@@ -444,9 +444,13 @@ class _Finder:
             return None
         head = None
         if heads:
+            if len(cols) > 1:
+                self.refused[id(seed.module)] = ("its split output meets other Linears' on the "
+                                                 "way to the loss")
+                return None
             head = "loss" if "loss" in heads else "output"
             if not self.loss_parallel:
-                return _Chain([seed.module], [], [], "gathered") if len(cols) == 1 else None
+                return _Chain([seed.module], [], [], "gathered")
         chain = _Chain(list(cols.values()), list(rows.values()), list(whole.values()), head)
         chain.region = set(place)
         return chain
@@ -454,8 +458,6 @@ class _Finder:
     def _head_gathered(self, seed: _Call) -> bool:
         """Whether ``seed``'s output reaches only the loss or the model's output, through
         reshapes: the head a column split serves with one gather of its output."""
-        if self.loss_parallel:
-            return False
         todo, g = [seed.out], self.g
         while todo:
             n = todo.pop()
@@ -500,23 +502,28 @@ def _example(model: Module, example_inputs):
         shapes = [tuple(np.shape(getattr(a, "data", a))) for a in list(args) + list(kwargs.values())
                   if hasattr(a, "shape")]
         return args, kwargs, f"inputs {', '.join(map(str, shapes))}"
+    return None, {}, "a guessed batch"
+
+
+def _guesses(model: Module):
+    """Batches to try when none is given: token ids (for a model that starts with an
+    Embedding) or features (a Linear), 2 rows of 8, 4, 2 or 1 positions, as many arguments as
+    the forward requires (ids and their targets, say)."""
     import inspect
     first = next((m for _, m in model.named_modules() if isinstance(m, (Embedding, Linear))), None)
-    if isinstance(first, Embedding):
-        x = np.zeros((2, 8), np.int64)
-    elif isinstance(first, Linear):
-        x = np.zeros((2, 8, first.in_features), first.weight.dtype)
-    else:
+    if first is None:
         raise TypeError(f"{type(model).__name__} has no Linear or Embedding layer to plan; "
                         f"parallelize it with replicate() or fully_shard() instead.")
-    try:  # as many arguments as the forward requires (token ids and their targets, say)
+    try:
         need = [q for q in inspect.signature(model.forward).parameters.values()
                 if q.default is q.empty and q.kind in (q.POSITIONAL_ONLY,
                                                        q.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         need = [None]
-    return ((x,) * max(1, len(need)), {},
-            f"a guessed batch {x.shape} (pass example_inputs= to price your own)")
+    for t in (8, 4, 2, 1):
+        x = (np.zeros((2, t), np.int64) if isinstance(first, Embedding) else
+             np.zeros((2, t, first.in_features), first.weight.dtype))
+        yield (x,) * max(1, len(need))
 
 
 def _find_tp_dp(mesh: DeviceMesh):
@@ -560,15 +567,25 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
         raise ValueError(f"fsdp=True shards parameters over a 'dp' mesh dim, and mesh "
                          f"{mesh._dims_text()} has none; name one 'dp'.")
     args, kwargs, batch = _example(model, example_inputs)
-    try:
+    if args is not None:
         g = _Graph(*_trace(model, (args, kwargs)))
-    except Exception as e:
-        if example_inputs is not None:
-            raise
-        raise TypeError(
-            f"plan: {type(model).__name__}.forward failed on {batch.split(' (')[0]}: "
-            f"{type(e).__name__}: {e}. Pass example_inputs=, the arguments of one forward "
-            f"(the global batch), e.g. parallelize(model, mesh, example_inputs=(x, y)).") from e
+    else:
+        error = None
+        for args in _guesses(model):
+            try:
+                g = _Graph(*_trace(model, (args, kwargs)))
+                break
+            except Exception as e:  # noqa: BLE001 - the next guess, or the error below
+                error = error or e
+        else:
+            raise TypeError(
+                f"plan: {type(model).__name__}.forward failed on a guessed batch "
+                f"{tuple(args[0].shape)} (and on shorter ones): {type(error).__name__}: "
+                f"{str(error).rstrip('.')}. Pass example_inputs=, the arguments of one forward "
+                f"(the global batch), e.g. parallelize(model, mesh, example_inputs=(x, y))."
+            ) from error
+        batch = (f"a guessed batch {', '.join(str(tuple(a.shape)) for a in args)} (pass "
+                 f"example_inputs= to price your own)")
     n = mesh.size(tp) if tp is not None else 1
     ndp = mesh.size(dp) if dp is not None else 1
     layout = _Layout(g, n, sequence_parallel, loss_parallel)
@@ -827,7 +844,7 @@ class _Layout:
                 self.role[id(m)] = (m, "vocab" if isinstance(m, Embedding) else "row", "")
         cols = {k for k, (_, r, _) in self.role.items() if r == "col"}
         try:  # where the plan's split values go, and the whole layers an op cuts locally
-            _, _, sliced, region = self.g.walk(cols, self.n, True) if cols else ({}, (), [], {})
+            _, _, sliced, region = self.g.walk(cols, self.n) if cols else ({}, (), [], {})
         except _Break:
             sliced, region = [], {}
         self.chains = [_Chain([], [], [], region=set(region))]
@@ -1181,8 +1198,10 @@ class _Layout:
                 kind, v = bounds[id(m)]
                 s = self.style.get(c.path)
                 where = (f"{kind} {self.stream!r} -> Replicate" if s is not None else "")
+                whole = " (its parameters replicated)" if any(
+                    p is not None for p in m._parameters.values()) else ""
                 out.append((c.path, where, f"one conversion of a chain input {v.shape}, "
-                                           f"shared by its consumers"))
+                                           f"shared by its consumers{whole}"))
             elif c.path in self.style:
                 out.append((c.path, "sequence shards Shard(1)", "between chains (SP)"))
             elif m._parameters and any(p is not None for p in m._parameters.values()):

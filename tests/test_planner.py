@@ -54,6 +54,9 @@ def _train(name, mesh=None, sp=False, fsdp=None):
     if mesh is not None:
         found = plan(model, mesh, batches[0], sequence_parallel=sp, fsdp=fsdp)
         found.apply(model)
+        if mesh.get_rank() == 0:  # the plan's memory figure is rank 0's parameter bytes
+            held = {id(p): p._loc().nbytes for p in model.parameters()}
+            assert sum(held.values()) == found.memory["parameters"], (name, found.memory)
     opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2)
     losses, log = [], None
     for i, batch in enumerate(batches):

@@ -380,10 +380,6 @@ def _nbytes(node) -> int:
     return int(np.prod(node.shape)) * node.dtype.itemsize
 
 
-def _params_under(module: Module) -> list:
-    return [p for _, p in module.named_parameters()]
-
-
 def _owner_path(g: _Graph, module) -> str:
     for c in g.calls:
         if c.module is module:
@@ -595,13 +591,13 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
     out = Plan(mesh, tp, dp, layout.style, sequence_parallel, loss_parallel, bool(fsdp),
                batch=batch)
     out.rows = layout.rows()
-    per_rank = layout.param_bytes_per_rank()
+    per_rank = {False: layout.param_bytes_per_rank(1), True: layout.param_bytes_per_rank(ndp)}
     if fsdp is None:
         fsdp = False
-        if max_bytes_per_rank is not None and dp is not None and 4 * per_rank > max_bytes_per_rank:
-            fsdp = True
+        if max_bytes_per_rank is not None and dp is not None:
+            fsdp = 4 * per_rank[False] > max_bytes_per_rank
     if max_bytes_per_rank is not None:
-        need = 4 * per_rank // (ndp if fsdp else 1)
+        need = 4 * per_rank[bool(fsdp)]
         if need > max_bytes_per_rank:
             raise ValueError(
                 f"plan: parameters, gradients and two Adam moments need {need:,d} B per rank "
@@ -613,8 +609,8 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
         out.collectives = layout.price(ndp, out.fsdp)
     if dp is not None and ndp > 1:
         out.collectives += layout.price_dp(ndp, out.fsdp)
-    out.memory = {"parameters": per_rank // (ndp if out.fsdp else 1),
-                  "with gradients and Adam moments": 4 * per_rank // (ndp if out.fsdp else 1)}
+    out.memory = {"parameters": per_rank[out.fsdp],
+                  "with gradients and Adam moments": 4 * per_rank[out.fsdp]}
     if tp is not None and n > 1:
         ref = _reference(model, n, sequence_parallel, loss_parallel)
         if ref is not None:
@@ -622,8 +618,8 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
             other = _Layout(g, n, sequence_parallel, loss_parallel)
             other.from_styles(model, styles)
             other.styles()
-            out.reference = _totals(other.price(ndp, out.fsdp) + (layout.price_dp(ndp, out.fsdp)
-                                                        if dp is not None and ndp > 1 else []))
+            out.reference = _totals(other.price(ndp, out.fsdp) + (
+                other.price_dp(ndp, out.fsdp) if dp is not None and ndp > 1 else []))
             out.reference_name = name
     out.seconds = time.perf_counter() - t0
     return out
@@ -1154,7 +1150,11 @@ class _Layout:
         shape[d] = -(-shape[d] // ndp)
         return int(np.prod(shape)) * p.data.dtype.itemsize
 
-    def param_bytes_per_rank(self) -> int:
+    def param_bytes_per_rank(self, ndp: int = 1) -> int:
+        """Parameter bytes rank 0 holds: its "tp" shards, cut again over ``ndp`` "dp" ranks
+        by FSDP when ``ndp`` > 1."""
+        if ndp > 1:
+            return sum(self._dp_piece(m, n, p, ndp) for _, m, n, p in self._param_table())
         return sum(self._rank_bytes(m, n, p) for _, m, n, p in self._param_table())
 
     def price_dp(self, ndp: int, fsdp: bool) -> list:

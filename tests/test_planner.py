@@ -221,7 +221,7 @@ def _why(found, path):
 
 FALLBACKS = [  # model, module left whole, the reason the explanation gives
     (lambda: _Loss(GPT(GPTConfig(**dict(GPT_CFG, n_head=3, n_embd=15)))), "inner.blocks.0.attn.q",
-     r"reshape cannot keep the split"),
+     r"reshape \(4, 8, 15\) -> \(4, 8, 3, 5\) cannot keep tensor dim 2 sharded"),
     (MODELS["fused_qkv_major"], "body.0.mix.qkv", r"getitem needs the split value"),
     (MODELS["stack"], "readout", r"1 output features, fewer than the 2 ranks"),
     (MODELS["encoder"], "positions", r"indexed by positions the model computes"),

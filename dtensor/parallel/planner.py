@@ -257,8 +257,8 @@ class _Graph:
                 hit = propagate(self.ops[node.name], avals, node.params,
                                 [None if p is None else (p,) for p in ins],
                                 Aval(node.shape, node.dtype), _mesh1(tp))
-            except (ValueError, NotImplementedError) as e:
-                hit = _Break(f"{node.name} cannot keep the split ({str(e).splitlines()[0]})")
+            except (ValueError, NotImplementedError) as e:  # the rule's own words, short
+                hit = _Break(str(e).splitlines()[0].split(": ")[0].split(". ")[0])
             if key is not None:
                 self.cache[key] = hit
         if isinstance(hit, _Break):
@@ -290,6 +290,7 @@ class _Chain:
     shared: list  # Linear modules left whole, their outputs sliced locally
     head: str | None = None  # "loss", "output" or "gathered"
     region: set = field(default_factory=set)  # ids of the nodes that carry the split
+    why: dict = field(default_factory=dict)  # id of a shared module -> why it stays whole
 
 
 @dataclass
@@ -410,7 +411,7 @@ class _Finder:
 
     def _grow(self, seed: _Call):
         """The chain seeded at ``seed`` (its column side grown to a fixpoint), or None."""
-        cols, whole = {id(seed.module): seed.module}, {}
+        cols, whole, why = {id(seed.module): seed.module}, {}, {}
         try:
             while True:
                 rows, heads, sliced, place = self.g.walk(set(cols), self.tp)
@@ -422,8 +423,9 @@ class _Finder:
                     try:
                         self.g.walk(set(cols) | {k}, self.tp)
                         cols[k] = m
-                    except _Break:
+                    except _Break as e:
                         whole[k] = m
+                        why[k] = str(e)
         except _Break as e:
             if len(cols) == 1 and self._head_gathered(seed):
                 return _Chain([seed.module], [], [], "gathered")
@@ -447,9 +449,8 @@ class _Finder:
             head = "loss" if "loss" in heads else "output"
             if not self.loss_parallel:
                 return _Chain([seed.module], [], [], "gathered")
-        chain = _Chain(list(cols.values()), list(rows.values()), list(whole.values()), head)
-        chain.region = set(place)
-        return chain
+        return _Chain(list(cols.values()), list(rows.values()), list(whole.values()), head,
+                      set(place), why)
 
     def _head_gathered(self, seed: _Call) -> bool:
         """Whether ``seed``'s output reaches only the loss or the model's output, through
@@ -677,7 +678,9 @@ class _Layout:
         self.chains: list[_Chain] = []
         self.refused: dict[int, str] = {}
         self.style: dict = {}
-        self.bounds: list = []  # (value node, consumers, kind, module call or None)
+        # (value, its consumers, "input" / "output" / None, the module converting it, the
+        # output a whole module hands back to the sequence-sharded stream or None)
+        self.bounds: list = []
         self.stream = Shard(1) if sp else R
         self.deferred: list = []  # (module call, row calls, parameters whose grads are partial)
         self.partial: set = set()  # ids of the values that stay partial sums inside them
@@ -689,8 +692,11 @@ class _Layout:
         for k, ch in enumerate(self.chains):
             paths = lambda ms: ", ".join(_owner_path(self.g, m) for m in ms)  # noqa: E731
             if ch.head:
-                why = ("the head: its logits go to the loss on vocabulary shards (loss_parallel)"
-                       if ch.head != "gathered" else "the head: its logits are gathered")
+                why = {"loss": "the head: its logits go to the loss on vocabulary shards "
+                               "(loss_parallel)",
+                       "output": "the head: its logits leave the model as vocabulary shards "
+                                 "(compute the loss under loss_parallel())",
+                       "gathered": "the head: its logits are gathered"}[ch.head]
                 self.role[id(ch.cols[0])] = (ch.cols[0], "head" if ch.head != "gathered"
                                              else "gathered", why)
                 continue
@@ -700,8 +706,9 @@ class _Layout:
             for m in ch.rows:
                 self.role[id(m)] = (m, "row", f"chain {k}: row side, after {paths(ch.cols)}")
             for m in ch.shared:
-                self.role[id(m)] = (m, "shared", f"chain {k}: whole (it cannot split evenly); "
-                                                 f"its output is cut locally")
+                self.role[id(m)] = (m, "shared", f"chain {k}: whole ({ch.why[id(m)]}); its "
+                                                 f"output is cut locally where the chain "
+                                                 f"meets it")
         for c in self.g.tables:
             if id(c.module) in self.role:
                 continue

@@ -272,7 +272,7 @@ def test_explanation_lists_layouts_reasons_collectives_and_the_hand_plan(rank, c
                for x in lines)
     assert any(x.split()[:1] == ["wpe"] and "replicated" in x for x in lines)
     fwd = next(x for x in lines if x.strip().startswith("blocks.0.attn.proj ") and "forward" in x)
-    assert "reduce_scatter" in fwd and "2,048 B" in fwd  # (4, 8, 16) float32
+    assert fwd.split()[2:] == ["reduce_scatter", "1", "2,048", "B"]  # (4, 8, 16) float32
     total = found.totals()
     assert f"all_gather {total['all_gather'][0]} ({total['all_gather'][1]:,d} B)" in text
     assert "Megatron's plan (gpt_plan):" in text and "bytes vs the hand plan: 1.00" in text

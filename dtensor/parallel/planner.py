@@ -340,10 +340,16 @@ class Plan:
         width = max([len(p) for p, _, _ in self.rows] + [10])
         for path, where, why in self.rows:
             lines.append(f"  {path:{width}s}  {where:28s} {why}")
-        lines.append("collectives per rank per step (count x bytes):")
-        w2 = max([len(w) for w, *_ in self.collectives] + [10])
+        lines.append("collectives per rank per step (count, bytes):")
+        shown: dict = {}  # the data dim's, one line per kind: one collective per parameter
         for where, phase, kind, count, nbytes in self.collectives:
-            lines.append(f"  {where:{w2}s}  {phase:8s} {kind:15s} {count:4d} x {nbytes:>10,d} B")
+            if where.startswith("dp: "):
+                where = f"data parallel over {self._dim_name(self.dp)}: parameters"
+            c, b = shown.get((where, phase, kind), (0, 0))
+            shown[(where, phase, kind)] = (c + count, b + count * nbytes)
+        w2 = max([len(w) for w, _, _ in shown] + [10])
+        for (where, phase, kind), (count, nbytes) in shown.items():
+            lines.append(f"  {where:{w2}s}  {phase:8s} {kind:15s} {count:4d} {nbytes:>12,d} B")
         lines.append("  total: " + _totals_text(self.totals()))
         if self.reference is not None:
             lines.append(f"  {self.reference_name}: " + _totals_text(self.reference))
@@ -1173,10 +1179,10 @@ class _Layout:
             tp_vector = p.ndim == 1 and self._rank_bytes(m, name, p) < p.data.nbytes
             if fsdp and not tp_vector:  # (a column-parallel bias stays whole over "dp")
                 k = self._gathers(p)
-                out.append((path, "forward", "all_gather", k, b))
-                out.append((path, "backward", "reduce_scatter", k, b))
+                out.append((f"dp: {path}", "forward", "all_gather", k, b))
+                out.append((f"dp: {path}", "backward", "reduce_scatter", k, b))
             else:
-                out.append((path + " grad", "backward", "all_reduce", 1, b))
+                out.append((f"dp: {path} grad", "backward", "all_reduce", 1, b))
         if any(n.name == "softmax_cross_entropy" for n in self.g.graph.nodes):
             out.append(("loss mean over the batch rows", "forward", "all_reduce", 1, 4))
         return out

@@ -11,14 +11,16 @@ Llama's attribute names), each forward(inputs, targets) -> scalar loss.
     Shared     ALBERT-like: one layer applied at every depth (its weights used several times),
                q/k/v with biases and a per-head RMSNorm on queries and keys (as Qwen3), a
                Sequential feed-forward
+    Nano       nanoGPT's layout: a ModuleDict trunk, one c_attn Linear split q|k|v-major,
+               attention written out (a causal mask, softmax, dropout), a tied head
 """
 from __future__ import annotations
 
 import numpy as np
 
-from dtensor import arange
-from dtensor.nn import (GELU, Embedding, LayerNorm, Linear, Module, ModuleList, RMSNorm,
-                        RotaryEmbedding, Sequential)
+from dtensor import arange, as_tensor, where
+from dtensor.nn import (GELU, Dropout, Embedding, LayerNorm, Linear, Module, ModuleDict,
+                        ModuleList, RMSNorm, RotaryEmbedding, Sequential)
 from dtensor.nn import functional as F
 from dtensor.nn.layers import apply_rotary
 
@@ -303,6 +305,58 @@ class Shared(Module):
     batch = Encoder.batch
 
 
+# ----------------------------------------------------------------------------- Nano
+
+class _NanoAttention(Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.c_attn, self.c_proj = Linear(width, 3 * width), Linear(width, width)
+        self.attn_dropout, self.resid_dropout = Dropout(0.1), Dropout(0.1)
+        self.causal = np.tril(np.ones((SEQ, SEQ), bool))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))
+        att = (q @ k.transpose(-2, -1)) * k.shape[-1] ** -0.5
+        att = F.softmax(where(as_tensor(self.causal[:T, :T]), att, float("-inf")), dim=-1)
+        y = (self.attn_dropout(att) @ v).transpose(1, 2).reshape(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class _NanoBlock(Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = LayerNorm(width), _NanoAttention(width, heads), \
+            LayerNorm(width)
+        self.c_fc, self.c_proj = Linear(width, 4 * width), Linear(4 * width, width)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class Nano(Module):
+    def __init__(self, vocab=VOCAB, width=WIDTH, heads=HEADS, depth=2):
+        super().__init__()
+        self.transformer = ModuleDict(dict(
+            wte=Embedding(vocab, width), wpe=Embedding(SEQ, width), drop=Dropout(0.1),
+            h=ModuleList([_NanoBlock(width, heads) for _ in range(depth)]),
+            ln_f=LayerNorm(width)))
+        self.lm_head = Linear(width, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets):
+        t = self.transformer
+        x = t.drop(t.wte(idx) + t.wpe(arange(idx.shape[1], dtype=np.int64)))
+        for block in t.h:
+            x = block(x)
+        return _lm_loss(self.lm_head(t.ln_f(x)), targets)
+
+    batch = Encoder.batch
+
+
 MODELS = {"stack": Stack, "encoder": Encoder, "fused": lambda: Fused(True),
           "fused_qkv_major": lambda: Fused(False), "parallel": Parallel, "mixture": Mixture,
-          "shared": Shared}
+          "shared": Shared, "nano": Nano}

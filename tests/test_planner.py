@@ -77,6 +77,7 @@ LAYOUTS = {  # name: (ranks, mesh shape, dim names, sequence_parallel, fsdp)
     "tp2": (2, (2,), ("tp",), False, False),
     "tp2-sp": (2, (2,), ("tp",), True, False),
     "tp4": (4, (4,), ("tp",), False, False),
+    "dp2xtp2": (4, (2, 2), ("dp", "tp"), False, False),
     "dp2xtp2-sp-fsdp": (4, (2, 2), ("dp", "tp"), True, True),
 }
 ARCHS = sorted(MODELS)
@@ -107,7 +108,8 @@ EXPECTED = {
     "parallel": (8, 4, 1, 1, 0, 2),           # one reduction per parallel block
     "mixture": (6, 6, 1, 1, 2, 2),            # every expert's pair; routers whole; one
     "shared": (4, 2, 1, 1, 0, 0),             # reduction per mixture; one layer, 3 calls
-}
+    "nano": (2, 2, 1, 1, 4, 0),               # c_fc | c_proj; attention whole (c_attn's
+}                                             # q|k|v-major split, as fused_qkv_major)
 
 
 def _roles(found, model) -> tuple:
@@ -145,7 +147,7 @@ def test_two_ranks_train_as_one_process(name, rank):
 @pytest.mark.parametrize("name", ARCHS)
 @pytest.mark.ranks(4, timeout=300)
 def test_four_ranks_train_as_one_process(name, rank):
-    for layout in ("tp4", "dp2xtp2-sp-fsdp"):
+    for layout in ("tp4", "dp2xtp2", "dp2xtp2-sp-fsdp"):
         _check_layout(name, layout)
 
 

@@ -224,7 +224,8 @@ def _why(found, path):
 FALLBACKS = [  # model, module left whole, the reason the explanation gives
     (lambda: _Loss(GPT(GPTConfig(**dict(GPT_CFG, n_head=3, n_embd=15)))), "inner.blocks.0.attn.q",
      r"reshape \(4, 8, 15\) -> \(4, 8, 3, 5\) cannot keep tensor dim 2 sharded"),
-    (MODELS["fused_qkv_major"], "body.0.mix.qkv", r"getitem needs the split value"),
+    (MODELS["fused_qkv_major"], "body.0.mix.qkv",
+     r"cut into 3 parts of 16 along the split features .*needs a strided shard"),
     (MODELS["stack"], "readout", r"1 output features, fewer than the 2 ranks"),
     (MODELS["encoder"], "positions", r"indexed by positions the model computes"),
     (MODELS["mixture"], "moes.0.router", r"softmax needs the split value"),

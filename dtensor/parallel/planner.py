@@ -223,7 +223,8 @@ class _Graph:
                 if need is None or cur is None or need[0] == cur:
                     continue
                 if cur != R:
-                    raise _Break(f"{node.name} needs the split value {cur} moved to {need[0]}")
+                    raise _Break(_parts_message(node, cur) or
+                                 f"{node.name} needs the split value {cur} moved to {need[0]}")
                 if isinstance(need[0], Shard):
                     sliced.append(a)
             out = st.out[0]
@@ -279,6 +280,24 @@ class _Graph:
             if n.kind == "op" and n.id not in self.inside:
                 todo.extend(n.inputs)
         return out
+
+
+def _parts_message(node, cur) -> str | None:
+    """The reason, in words, when a split output is cut into equal parts along the split dim
+    (a fused projection's ``.split(C, dim=-1)`` into q, k and v)."""
+    if node.name != "getitem" or not isinstance(cur, Shard):
+        return None
+    key = node.params.get("key", ())
+    d, whole = cur.dim, node.inputs[0].shape[cur.dim]
+    if d >= len(key) or not isinstance(key[d], tuple):
+        return None
+    start, stop, step = key[d]
+    part = stop - start
+    if step != 1 or part <= 0 or whole % part or whole == part:
+        return None
+    return (f"its output is cut into {whole // part} parts of {part} along the split features "
+            f"(a fused projection read part by part, as [q | k | v]); splitting each part "
+            f"over the ranks needs a strided shard, which dtensor does not have")
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -1219,7 +1219,9 @@ class _Layout:
                 out.append((c.path, _ROLE_TEXT.get(role, "Linear weight whole"), why))
             elif any(call.module is m for call, _, _ in self.deferred):
                 rows = next(r for call, r, _ in self.deferred if call.module is m)
-                out.append((c.path, f"output Partial -> {self.stream!r}",
+                first = (f"input {self.stream!r} -> Replicate; " if bounds.get(
+                    id(m), (None,))[0] == "input" else "")
+                out.append((c.path, f"{first}output Partial -> {self.stream!r}",
                             f"adds up {len(rows)} row-parallel outputs "
                             f"({', '.join(r.path for r in rows)}): one reduction, not "
                             f"{len(rows)}. Whole chains on different ranks (expert "

@@ -987,27 +987,27 @@ class _Layout:
                                        desired_output_layouts=(stream,), use_local_output=False)
             st[call.path] = _Both(st[call.path], back) if call.path in st else back
         for _, (m, role, _) in self.role.items():
-            path = _owner_path(self.g, m)
             if role == "col":
-                st[path] = ColwiseParallel(input_layouts=stream if id(m) in converted else None,
-                                           use_local_output=False)
+                style = ColwiseParallel(use_local_output=False)
             elif role in ("head", "gathered"):
-                st[path] = ColwiseParallel(input_layouts=stream,
-                                           output_layouts=Shard(-1) if role == "head" else R,
-                                           use_local_output=False)
-            if id(m) in converted and role in ("col", "head", "gathered"):
+                style = ColwiseParallel(input_layouts=stream,
+                                        output_layouts=Shard(-1) if role == "head" else R,
+                                        use_local_output=False)
+            elif role == "row":
+                style = RowwiseParallel(output_layouts=Partial() if id(m) in deferred
+                                        else stream, use_local_output=False)
+            elif role == "vocab":
+                style = RowwiseParallel(input_layouts=R, output_layouts=stream,
+                                        use_local_output=False)
+            else:  # "shared": whole
+                continue
+            if id(m) in converted:
                 # its own conversion point, so its input's gradient (a partial sum) is
                 # reduced here and not carried back through the stream
-                st[path] = _Both(PrepareModuleInput(input_layouts=(stream,),
-                                                    desired_input_layouts=(R,)), st[path])
-            elif role == "row":
-                st[path] = RowwiseParallel(output_layouts=Partial() if id(m) in deferred
-                                           else stream, use_local_output=False)
-            elif role == "vocab":
-                st[path] = RowwiseParallel(input_layouts=R, output_layouts=stream,
-                                           use_local_output=False)
+                style = _Both(PrepareModuleInput(input_layouts=(stream,),
+                                                 desired_input_layouts=(R,)), style)
+            st[_owner_path(self.g, m)] = style
         if self.sp:
-            seq = self._sequence_sharded()
             for c in self.g.calls:
                 if (c.path and c.path not in st and not c.module._modules and c.args
                         and c.args[0] is not None and c.out is not None

@@ -76,60 +76,47 @@ def _node(x):
 
 
 def _trace(model: Module, example_inputs):
-    """(graph, calls, output nodes) of one forward of ``model`` on traced data. Nothing the
-    forward touches changes: parameters get their arrays back, and the random stream (dropout
-    draws keys) is where it was, so planning does not shift any later draw."""
-    from dtensor import random
-    from dtensor.compile.api import _flatten
-    from dtensor.compile.trace import Tracer
-    from dtensor.tensor import Tensor
+    """(graph, calls, output nodes) of one forward of ``model``, traced as ``dtensor.compile``
+    traces (which restores the parameters, gradients and the random stream after), with each
+    module call recorded. Parameter inputs are labelled by their paths."""
+    from dtensor.compile import trace
+    from dtensor.compile.api import _Env
+    from dtensor.compile.api import _trace as trace_fn
+    from dtensor.compile.graph import Node
 
-    tracer = Tracer()
     calls: list[_Call] = []
-    handles, saved = [], []
     stack: list[_Call] = []
-    stream = (random._seed, random._stream)
 
-    for path, m in model.named_modules():
-        def pre(mod, args, _path=path):
-            call = _Call(_path, mod, [_node(a) for a in args], None, tracer.graph._next)
-            stack.append(call)
-            calls.append(call)
+    def pre(mod, args, path):
+        call = _Call(path, mod, [_node(a) for a in args], None, trace._ACTIVE.graph._next)
+        stack.append(call)
+        calls.append(call)
 
-        def post(mod, args, out, _path=path):
-            call = stack.pop()
-            call.out, call.end = _node(out), tracer.graph._next
+    def post(mod, args, out):
+        call = stack.pop()
+        call.out, call.end = _node(out), trace._ACTIVE.graph._next
 
+    modules = list(model.named_modules())
+    for path, m in modules:
         # first pre-hook and last post-hook: the call as the module's own forward sees it
-        m._forward_pre_hooks = {**{-1: pre}, **m._forward_pre_hooks}
-        handles.append((m, -1))
+        m._forward_pre_hooks = {-1: lambda mod, args, _p=path: pre(mod, args, _p),
+                                **m._forward_pre_hooks}
         m._forward_hooks[-1] = post
+    env = _Env(model)
+    args, kwargs = example_inputs
     try:
-        with tracer:
-            for name, p in model.named_parameters():
-                saved.append((p, p.data))
-                p.data = tracer.input(name, p.data)
-
-            def arg(i, a):
-                if isinstance(a, (np.ndarray, Tensor)):
-                    arr = a.data if isinstance(a, Tensor) else a
-                    return Tensor._wrap(tracer.input(f"input {i}", np.asarray(arr)))
-                return a
-
-            args, kwargs = example_inputs
-            result = model(*[arg(i, a) for i, a in enumerate(args)],
-                           **{k: arg(k, v) for k, v in kwargs.items()})
-            leaves: list = []
-            _flatten(result, leaves)
+        graph, _, writebacks, _ = trace_fn(model, env, tuple(args), dict(kwargs))
     finally:
-        random._seed, random._stream = stream
-        for p, d in saved:
-            p.data = d
-        for m, key in handles:
-            m._forward_pre_hooks.pop(key, None)
-            m._forward_hooks.pop(key, None)
-    outputs = [n for n in (_node(x) for x in leaves) if n is not None]
-    return tracer.graph, calls, outputs
+        for _, m in modules:
+            m._forward_pre_hooks.pop(-1, None)
+            m._forward_hooks.pop(-1, None)
+    path = {id(p): name for name, p in model.named_parameters()}
+    labels = {f"param{i}": path[id(p)] for i, p in enumerate(env.params)}
+    for n in graph.inputs:
+        n.name = labels.get(n.name, n.name)
+    outputs = [n for n, wb in zip(graph.outputs, writebacks)
+               if wb.kind == "result" and isinstance(n, Node)]
+    return graph, calls, outputs
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -163,8 +150,9 @@ class _Graph:
             for i in range(c.start, c.end):
                 self.inside[i] = c
         self.cache: dict = {}
-        # graph inputs that are parameters (named by path), not the batch ("input 0", ...)
-        self.params = {n.id: n for n in graph.inputs if not str(n.name).startswith("input ")}
+        # graph inputs that are parameters (labelled by path), not the batch or gradients
+        paths = {name for c in calls[:1] for name, _ in c.module.named_parameters()}
+        self.params = {n.id: n for n in graph.inputs if n.name in paths}
         self.last_use = {k: max(self.index[u.id] for u in us) for k, us in self.users.items()}
         self.made_by = {}  # node id -> the Linear call whose output it is
         for c in self.linears:
@@ -709,6 +697,7 @@ class _Layout:
         self.stream = Shard(1) if sp else R
         self.deferred: list = []  # (module call, row calls, parameters whose grads are partial)
         self.partial: set = set()  # ids of the values that stay partial sums inside them
+        self.seq: set = set()  # ids of the stream's sequence shards (set by styles())
 
     # -- roles
     def find(self):
@@ -887,12 +876,12 @@ class _Layout:
         side of chains and, under sequence parallelism, the sequence shards a Linear left
         whole reads (its (B, T, C) -> (B * T, C) reshape cannot keep a sequence split)."""
         out: dict = {}
-        seq = self._sequence_sharded()
         for c in self.g.linears:
             role = self.role.get(id(c.module), (None, None))[1]
             if not c.args or c.args[0] is None:
                 continue
-            if role in ("col", "head", "gathered") or (role is None and c.args[0].id in seq):
+            if role in ("col", "head", "gathered") or (role is None
+                                                        and c.args[0].id in self.seq):
                 out.setdefault(c.args[0].id, (c.args[0], []))[1].append(c)
         return out
 
@@ -917,6 +906,10 @@ class _Layout:
                 return ("output", c)
         return (None, None)
 
+    def _region(self) -> set:
+        """Ids of the values the chains carry split."""
+        return set().union(*(ch.region for ch in self.chains))
+
     def _sequence_sharded(self) -> set:
         """Under sequence parallelism, the ids of the values that are sequence shards: what the
         row-parallel layers and vocabulary tables return, and what ops outside the chains
@@ -924,8 +917,7 @@ class _Layout:
         it.)"""
         if not self.sp:
             return set()
-        g, out = self.g, set()
-        region = set().union(*[ch.region for ch in self.chains]) if self.chains else set()
+        g, out, region = self.g, set(), self._region()
         for c in g.linears + g.tables:
             if self.role.get(id(c.module), (None, None))[1] in ("row", "vocab") \
                     and c.out is not None and c.out.id not in self.partial:
@@ -946,7 +938,8 @@ class _Layout:
                                             SequenceParallel)
         st, stream = {}, self.stream
         converted = set()
-        seq = self._sequence_sharded()
+        # the roles and partial sums are final here: the stream's shards, for every later use
+        self.seq = seq = self._sequence_sharded()
 
         def rejoin(call, value, style):
             """A module left whole on sequence shards: its input is gathered, and its output
@@ -1035,7 +1028,7 @@ class _Layout:
         def add(where, phase, kind, nbytes):
             out.append((where, phase, kind, 1, int(nbytes)))
 
-        seq = self._sequence_sharded()
+        seq = self.seq
         for value, consumers, kind, call, back in self.bounds:
             if back is not None:
                 add((call.path if call is not None else consumers[0].path) + " (output)",
@@ -1091,7 +1084,7 @@ class _Layout:
                 for name, p in m.named_parameters():
                     add(f"{_owner_path(g, m)}.{name} grad", "backward", "all_reduce",
                         p.data.nbytes)
-        for name, _ in self._partial_grads():
+        for name in self._partial_grads():
             p = by_name[name]
             out.append((f"{name} grad", "backward", "all_reduce",
                         self._gathers(p) if fsdp else 1, shards[id(p)]))
@@ -1108,25 +1101,22 @@ class _Layout:
         return sum(1 for c in self.g.calls if id(c.module) in owners)
 
     def _partial_grads(self) -> list:
-        """Whole parameters that meet split data (a norm on sequence shards, a per-head norm
-        inside a chain): their gradients are partial sums, all-reduced when stored."""
+        """Paths of the whole parameters that meet split data (a norm on sequence shards, a
+        per-head norm inside a chain): their gradients are partial sums, all-reduced when
+        stored."""
         g = self.g
         params = dict(g.params)
         planned = set()
         for m, role, _ in self.role.values():
             if role != "shared":
                 planned |= {id(p) for p in m.parameters()}
-        by_node = {}
-        for path, p in self._named_params():
-            if id(p) not in planned:
-                by_node[path] = p
+        by_node = {path: p for path, _, _, p in self._param_table() if id(p) not in planned}
         for c in g.tables:  # a whole table's rows stand for its weight
             if id(c.module) not in self.role and c.out is not None and c.module.weight is not None:
                 name = next((k for k, p in by_node.items() if p is c.module.weight), None)
                 if name is not None:
                     params[c.out.id] = SimpleNamespace(name=name)
-        region = set().union(*[ch.region for ch in self.chains]) if self.chains else set()
-        seq = self._sequence_sharded()
+        region, seq = self._region(), self.seq
         hit = []
         for node in g.graph.nodes:
             if node.id in g.inside:
@@ -1138,16 +1128,7 @@ class _Layout:
             split = any(a.id in region or a.id in seq for a in acts)
             if split:
                 hit += [params[p.id].name for p in ps if params[p.id].name in by_node]
-        seen, out = set(), []
-        for name in hit:
-            if name not in seen:
-                seen.add(name)
-                out.append((name, by_node[name].data.nbytes))
-        return out
-
-    def _named_params(self):
-        root = self.g.calls[0].module if self.g.calls else None
-        return list(root.named_parameters()) if root is not None else []
+        return list(dict.fromkeys(hit))
 
     def _rank_bytes(self, m, name, p) -> int:
         role = self.role.get(id(m), (None, None))[1]

@@ -56,12 +56,12 @@ __all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like
            "rsqrt", "sigmoid", "abs", "clamp", "argmax", "cumsum", "tril", "triu",
            "repeat_interleave", "outer", "no_grad", "enable_grad",
            "is_grad_enabled", "manual_seed", "initial_seed", "float16", "float32", "float64",
-           "int32", "int64", "bool_", "nn", "optim", "Shard", "Replicate", "Partial", "DTensor",
-           "DeviceMesh", "init_device_mesh", "distribute_tensor", "distribute_module",
-           "implicit_replication", "visualize_sharding"]
+           "int32", "int64", "bool_", "nn", "optim", "Shard", "StridedShard", "Replicate",
+           "Partial", "DTensor", "DeviceMesh", "init_device_mesh", "distribute_tensor",
+           "distribute_module", "implicit_replication", "visualize_sharding"]
 
 from dtensor import nn, optim  # noqa: E402  (after the core they build on)
-from dtensor.placements import Partial, Replicate, Shard  # noqa: E402
+from dtensor.placements import Partial, Replicate, Shard, StridedShard  # noqa: E402
 
 
 # Documented subpackages reachable as attributes after ``import dtensor``, loaded on first use.

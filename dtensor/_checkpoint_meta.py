@@ -20,6 +20,7 @@ VERSION = 1
 
 SHARD = re.compile(r"rank(0|[1-9][0-9]*)\.npz")
 _ENTRY = re.compile(r"a[0-9]+")
+_PARTS = re.compile(r"S\([0-9]+\)/([1-9][0-9]{0,5})")  # a StridedShard's name
 _DTYPES = frozenset(np.dtype(t).str for t in (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "complex64", "complex128"))
@@ -120,13 +121,17 @@ def check_meta(meta, where) -> dict:
         if get(t, "dtype", field, str) not in _DTYPES:
             raise bad(f"{field}['dtype']", f"is {t['dtype']!r}, not a numeric dtype")
         shape = ints(t, "shape", field)
-        if any(not isinstance(p, str) for p in get(t, "placements", field, list)):
+        names = get(t, "placements", field, list)
+        if any(not isinstance(p, str) for p in names):
             raise bad(f"{field}['placements']", f"is {t['placements']!r}, not a list of names")
         ints(t, "mesh_shape", field, low=1)
         blocks = get(t, "blocks", field, list)
-        if len(blocks) > world:  # each rank writes at most one block of a tensor
-            raise bad(f"{field}['blocks']", f"has {len(blocks)} blocks, more than one for each "
-                                            f"of the {world} ranks that saved")
+        # each rank writes one block of a tensor, one per part of a strided shard ("S(0)/3")
+        per_rank = math.prod(int(m.group(1)) for m in map(_PARTS.fullmatch, names) if m)
+        if len(blocks) > world * per_rank:
+            raise bad(f"{field}['blocks']", f"has {len(blocks)} blocks, more than the "
+                                            f"{per_rank} each of the {world} ranks that saved "
+                                            f"writes")
         for i, b in enumerate(blocks):
             bf = f"{field}['blocks'][{i}]"
             if not isinstance(b, dict):

@@ -246,21 +246,30 @@ def _unpartial(flat, tensors) -> dict:
     return out
 
 
-def _my_block(t, rank):
-    """(array, offsets, writer?) of this rank's block of tensor ``t`` (not Partial): a plain
-    tensor is written by rank 0, a DTensor's block by the ranks at coordinate 0 of every mesh
-    dim it is not sharded over, counting the dims of the whole mesh its mesh was sliced from
-    (a tensor-parallel parameter on mesh["tp"] has a copy on every "dp" row)."""
+def _my_blocks(t, rank):
+    """([(array, offsets)], writer?) of this rank's block of tensor ``t`` (not Partial): a
+    plain tensor is written by rank 0, a DTensor's block by the ranks at coordinate 0 of every
+    mesh dim it is not sharded over, counting the dims of the whole mesh its mesh was sliced
+    from (a tensor-parallel parameter on mesh["tp"] has a copy on every "dp" row). A strided
+    shard's block is written as one rectangle per part."""
     if not _is_dtensor(t):
-        return np.asarray(t.numpy()), (0,) * t.ndim, rank == 0
-    from dtensor.placements import Shard
-    _, off = t._spec.local_shape_and_offset()
+        return [(np.asarray(t.numpy()), (0,) * t.ndim)], rank == 0
+    from dtensor.placements import Replicate
     coord = t.device_mesh.get_coordinate()
     root, dims = t.device_mesh._root
     outside = root.get_coordinate()
-    writer = (all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, Shard))
+    writer = (all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
               and all(outside[d] == 0 for d in range(root.ndim) if d not in dims))
-    return t._loc(), off, writer
+    local = t._loc()
+    return [(local[sl], off) for sl, off, _ in _pieces(t)], writer
+
+
+def _pieces(t):
+    """This rank's block of DTensor ``t`` as rectangles: [(local slices, offsets, shape)]."""
+    from dtensor.redistribute import local_pieces
+    spec = t._spec
+    return local_pieces(spec.shape, spec.placements, spec.mesh.shape,
+                        spec.mesh.get_coordinate())
 
 
 def save(state_dict, path) -> str:
@@ -336,8 +345,10 @@ def _write_blocks(to_write: dict, tmp: Path, rank: int) -> list[dict]:
     """Write this rank's blocks to ``tmp/rank{rank}.npz``; their metadata. No collectives."""
     arrays, blocks = {}, []
     for key, t in to_write.items():
-        local, off, writer = _my_block(t, rank)
-        if writer and local.size:
+        pieces, writer = _my_blocks(t, rank)
+        for local, off in pieces if writer else ():
+            if not local.size:
+                continue
             name = f"a{len(arrays)}"
             arrays[name] = np.ascontiguousarray(local)
             blocks.append({"key": key, "file": f"rank{rank}.npz", "entry": name,
@@ -515,11 +526,12 @@ def _read_latest(root: Path) -> str:
     return name
 
 
-def _target_block(t):
+def _target_pieces(t):
+    """(local shape, [(local slices, global offsets, shape)]) of the block ``t`` holds here."""
     if _is_dtensor(t):
-        shape, off = t._spec.local_shape_and_offset()
-        return tuple(shape), tuple(off)
-    return tuple(t.shape), (0,) * t.ndim
+        return tuple(t._spec.local_shape_and_offset()[0]), _pieces(t)
+    shape = tuple(t.shape)
+    return shape, [(tuple(slice(0, n) for n in shape), (0,) * t.ndim, shape)]
 
 
 def load(state_dict, path, *, strict: bool = True) -> None:
@@ -612,18 +624,19 @@ def _read(flat, ck: _Checkpoint, strict: bool) -> tuple[dict, dict]:
         if list(v.shape) != info["shape"] or np.dtype(v.dtype) != dtype:
             raise CheckpointError(f"{key!r}: checkpoint has shape {tuple(info['shape'])} "
                                   f"{dtype}, the state {tuple(v.shape)} {np.dtype(v.dtype)}.")
-        shape, off = _target_block(v)
+        local_shape, pieces = _target_pieces(v)
         # The blocks tile the global shape exactly (checked), so they fill all of ``out``.
-        out = np.empty(shape, dtype)
-        for i, b in enumerate(info["blocks"]):
-            lo = [max(o, bo) for o, bo in zip(off, b["offsets"])]
-            hi = [min(o + n, bo + bn) for o, n, bo, bn in zip(off, shape, b["offsets"],
-                                                               b["shape"])]
-            if any(h <= lo_ for lo_, h in zip(lo, hi)):
-                continue
-            block = ck.block(key, i, b, dtype)
-            dst = tuple(slice(a - o, c - o) for a, c, o in zip(lo, hi, off))
-            src = tuple(slice(a - bo, c - bo) for a, c, bo in zip(lo, hi, b["offsets"]))
-            out[dst] = block[src]
+        out = np.empty(local_shape, dtype)
+        for where, off, shape in pieces:
+            for i, b in enumerate(info["blocks"]):
+                lo = [max(o, bo) for o, bo in zip(off, b["offsets"])]
+                hi = [min(o + n, bo + bn) for o, n, bo, bn in zip(off, shape, b["offsets"],
+                                                                   b["shape"])]
+                if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                    continue
+                block = ck.block(key, i, b, dtype)
+                dst = tuple(slice(a - o, c - o) for a, c, o in zip(lo, hi, off))
+                src = tuple(slice(a - bo, c - bo) for a, c, bo in zip(lo, hi, b["offsets"]))
+                out[where][dst] = block[src]
         arrays[key] = out
     return values, arrays

@@ -23,8 +23,8 @@ from dtensor._flag import Flag
 from dtensor.mesh import DeviceMesh
 from dtensor.ops import registry, structural
 from dtensor.ops.registry import Aval, Op
-from dtensor.placements import Partial, Placement, Replicate, Shard, as_placements
-from dtensor.redistribute import local_shape_and_offset, redistribute_local
+from dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard, as_placements
+from dtensor.redistribute import local_indices, local_shape_and_offset, redistribute_local
 from dtensor.sharding import propagate
 from dtensor.tensor import (Tensor, TensorMethods, _shape_arg, fill_value, float_dtype,
                             resolve_dtype)
@@ -152,7 +152,7 @@ class DTensor(TensorMethods):
             if shape is None:
                 gshape = list(arr.shape)
                 for m, p in enumerate(ps):
-                    if isinstance(p, Shard):
+                    if isinstance(p, (Shard, StridedShard)):
                         gshape[p.dim] *= device_mesh.size(m)
                 shape = tuple(gshape)
             spec = DTensorSpec(device_mesh, ps, _shape_arg(shape), arr.dtype)
@@ -447,14 +447,20 @@ def _plan(op: Op, args, params):
             _LOCAL.get(op.name), in_specs)
 
 
-def _local_key(key, shape, placements_local_shape):
-    """A canonical index with full slices of sharded dims narrowed to the local length."""
+def _local_key(key, spec: DTensorSpec):
+    """A canonical index on ``spec``'s global shape as an index on this rank's block: a full
+    slice of a split dim becomes a full slice of the block, and one whole part of a
+    StridedShard dim (the only other slice a split dim allows) becomes the rank's piece of it."""
+    shape, local = spec.shape, _local_block(spec)[0]
+    parts = {p.dim: p.parts for p in spec.placements if isinstance(p, StridedShard)}
     real_d, out = 0, []
     for k in key:
         if isinstance(k, tuple) and k == (0, shape[real_d], 1):
-            out.append((0, placements_local_shape[real_d], 1))
-        else:
-            out.append(k)
+            k = (0, local[real_d], 1)
+        elif isinstance(k, tuple) and real_d in parts:
+            piece, part = local[real_d] // parts[real_d], k[0] * parts[real_d] // shape[real_d]
+            k = (part * piece, (part + 1) * piece, 1)
+        out.append(k)
         if k is not None:
             real_d += 1
     return tuple(out)
@@ -466,11 +472,9 @@ def _localize(op: Op, params, in_specs, out_spec):
     if op.name in ("reshape", "broadcast_to"):
         return {**params, "shape": out_local}
     if op.name == "getitem":
-        spec = in_specs[0]
-        return {"key": _local_key(params["key"], spec.shape, _local_block(spec)[0])}
+        return {"key": _local_key(params["key"], in_specs[0])}
     if op.name == "slice_scatter":
-        return {"shape": out_local,
-                "key": _local_key(params["key"], out_spec.shape, out_local)}
+        return {"shape": out_local, "key": _local_key(params["key"], out_spec)}
     return params
 
 
@@ -531,12 +535,13 @@ def _scatter_add_local(g, idx, like, axis, *, in_specs, out_spec):
 
 def _block_offsets(spec: DTensorSpec) -> np.ndarray:
     """Global row-major flat index of every element of this rank's block."""
-    shape, off = _local_block(spec)
     strides = np.cumprod((1,) + tuple(reversed(spec.shape[1:])))[::-1]
-    flat = np.zeros(shape, np.int64)
-    for d, (n, o) in enumerate(zip(shape, off)):
-        idx = (np.arange(o, o + n, dtype=np.int64) * int(strides[d]))
-        flat += idx.reshape((-1,) + (1,) * (len(shape) - d - 1))
+    held = local_indices(spec.shape, spec.placements, spec.mesh.shape,
+                         spec.mesh.get_coordinate())
+    flat = np.zeros(_local_block(spec)[0], np.int64)
+    for d, idx in enumerate(held):
+        idx = np.arange(idx.start, idx.stop) if isinstance(idx, slice) else idx
+        flat += (idx.astype(np.int64) * int(strides[d])).reshape((-1,) + (1,) * (flat.ndim - d - 1))
     return flat
 
 
@@ -707,13 +712,17 @@ def visualize_sharding(dt: DTensor, header: str = "") -> str:
     spec = dt._spec
     blocks: dict = {}
     for coord in np.ndindex(*mesh.shape):
-        shp, off = local_shape_and_offset(spec.shape, spec.placements, mesh.shape, list(coord))
-        rng = tuple((o, o + n) for o, n in zip(off, shp))
+        held = local_indices(spec.shape, spec.placements, mesh.shape, list(coord))
+        # a strided dim's block is several ranges: each part's piece, joined by "+"
+        rng = tuple(((i.start, i.stop),) if isinstance(i, slice) else
+                    tuple((int(r[0]), int(r[-1]) + 1)
+                          for r in np.split(i, np.flatnonzero(np.diff(i) != 1) + 1) if r.size)
+                    for i in held)
         blocks.setdefault(rng, []).append(int(mesh.mesh[coord]))
     lines = [header] if header else []
     lines.append(f"{tuple(dt.shape)} {list(dt.placements)} on {mesh}")
     for rng, ranks in sorted(blocks.items()):
-        where = ", ".join(f"{a}:{b}" for a, b in rng)
+        where = ", ".join("+".join(f"{a}:{b}" for a, b in r) or "-" for r in rng)
         lines.append(f"  [{where}] -> ranks {ranks}")
     text = "\n".join(lines)
     if mesh.get_rank() == int(mesh.mesh.reshape(-1)[0]):

@@ -1,14 +1,17 @@
-"""Placements: how a tensor is laid out along one mesh dim. ``Shard(d)``, ``Replicate()``,
-``Partial(op)``, frozen value types with short reprs: ``S(0)``, ``R``, ``P(sum)``."""
+"""Placements: how a tensor is laid out along one mesh dim. ``Shard(d)``, ``StridedShard(d, k)``,
+``Replicate()``, ``Partial(op)``, frozen value types with short reprs: ``S(0)``, ``S(0)/3``,
+``R``, ``P(sum)``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from dtensor.validate import as_int
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "shard_size_and_offset",
-           "as_placements"]
+__all__ = ["Placement", "Shard", "StridedShard", "Replicate", "Partial", "shard_size_and_offset",
+           "strided_indices", "as_placements"]
 
 
 class Placement:
@@ -60,6 +63,42 @@ class Shard(Placement):
 
 
 @dataclass(frozen=True, slots=True)
+class StridedShard(Placement):
+    """Cut tensor dim ``dim`` into ``parts`` equal parts and split EACH part over the mesh dim.
+
+    Rank r holds shard r (torch.chunk rule) of part 0, then shard r of part 1, and so on: the
+    layout of a fused projection whose output is read part by part. A Linear computing
+    [q | k | v] at once, as nanoGPT's ``c_attn(x).split(C, dim=2)`` reads it, splits q, k and v
+    each when its weight's output features are ``StridedShard(0, 3)``; ``Shard(0)`` would give
+    rank 0 all of q. Slicing one part out gives that part as ``Shard(dim)`` with no data moved.
+    ``parts=1`` is ``Shard(dim)``; it is a separate type so that code reading a Shard's offset
+    never meets a block that has none.
+    """
+
+    dim: int
+    parts: int
+
+    def __post_init__(self):
+        fix = "StridedShard takes the tensor dim and the number of parts, e.g. StridedShard(0, 3)."
+        if type(self.dim) is not int:
+            object.__setattr__(self, "dim", as_int(self.dim, "StridedShard(dim, parts): dim",
+                                                   fix=fix))
+        if type(self.parts) is not int or self.parts < 1:
+            object.__setattr__(self, "parts", as_int(
+                self.parts, "StridedShard(dim, parts): parts", low=1, fix=fix))
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})/{self.parts}"
+
+
+def strided_indices(size: int, parts: int, num_shards: int, index: int):
+    """Global indices, in local order, that shard ``index`` of a StridedShard dim holds."""
+    part = size // parts
+    n, o = shard_size_and_offset(part, num_shards, index)
+    return (np.arange(parts)[:, None] * part + np.arange(o, o + n)[None, :]).reshape(-1)
+
+
+@dataclass(frozen=True, slots=True)
 class Replicate(Placement):
     """Every rank of the mesh dim holds the whole tensor."""
 
@@ -90,7 +129,9 @@ def as_placements(placements, mesh, shape: Sequence[int]) -> tuple[Placement, ..
     sequence of exactly one Placement per mesh dim, each Shard's dim in range; negative Shard
     dims come back resolved."""
     if isinstance(placements, Placement):
-        ctor = {Shard: lambda p: f"Shard({p.dim})", Replicate: lambda p: "Replicate()",
+        ctor = {Shard: lambda p: f"Shard({p.dim})",
+                StridedShard: lambda p: f"StridedShard({p.dim}, {p.parts})",
+                Replicate: lambda p: "Replicate()",
                 Partial: lambda p: f"Partial({p.reduce_op!r})"}[type(placements)](placements)
         example = ", ".join([ctor] + ["Replicate()"] * (mesh.ndim - 1))
         raise TypeError(f"placements takes one placement per mesh dim, as a list; got the single "
@@ -106,12 +147,27 @@ def as_placements(placements, mesh, shape: Sequence[int]) -> tuple[Placement, ..
     out = []
     for p in placements:
         if not isinstance(p, Placement):
-            raise TypeError(f"placements must be Shard(d), Replicate() or Partial(op), got "
-                            f"{p!r} in {list(placements)!r}.")
-        if isinstance(p, Shard):
+            raise TypeError(f"placements must be Shard(d), StridedShard(d, parts), Replicate() or "
+                            f"Partial(op), got {p!r} in {list(placements)!r}.")
+        if isinstance(p, (Shard, StridedShard)):
             if not -ndim <= p.dim < ndim:
                 raise ValueError(f"{p} is out of range for a tensor of shape {tuple(shape)} "
                                  f"({ndim} dims).")
-            p = Shard(p.dim % ndim) if p.dim < 0 else p
+            if p.dim < 0:
+                p = Shard(p.dim % ndim) if isinstance(p, Shard) else StridedShard(p.dim % ndim,
+                                                                                 p.parts)
         out.append(p)
+    for m, p in enumerate(out):
+        if isinstance(p, StridedShard):
+            if shape[p.dim] % p.parts:
+                raise ValueError(f"{p} cuts tensor dim {p.dim} of size {shape[p.dim]} into "
+                                 f"{p.parts} equal parts, but {shape[p.dim]} does not divide by "
+                                 f"{p.parts} (tensor shape {tuple(shape)}); give a parts count "
+                                 f"that divides it, or use Shard({p.dim}).")
+            others = [q for k, q in enumerate(out) if k != m and getattr(q, "dim", None) == p.dim]
+            if others:
+                raise NotImplementedError(
+                    f"{p} shares tensor dim {p.dim} with {others[0]} on another mesh dim "
+                    f"(placements {list(out)}); a strided dim is split by one mesh dim only. "
+                    f"Shard another tensor dim on the other mesh dim, or Replicate there.")
     return tuple(out)

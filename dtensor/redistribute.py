@@ -6,20 +6,27 @@ One transition per mesh dim, from a table (DESIGN 4):
     S(i) -> S(j)   all_to_all          P -> S(i)   reduce_scatter
     R -> S(i)      local slice         R -> P      local (only inside sharding rules)
 
+A StridedShard (``S(i)/k``: each of k parts of dim i split over the mesh dim) leaves by an
+all_gather whose pieces are put back in part order, and is entered from Replicate by taking the
+rank's piece of every part; its other transitions pass through Replicate.
+
 Uneven shards use the v-collectives with exact sizes, so nothing is padded. Order matters when
 several mesh dims shard one tensor dim (mesh dim 0 splits first): gathers run from the last
 mesh dim to the first, slices from the first to the last.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
 
 from dtensor.ops import registry
-from dtensor.placements import Partial, Placement, Replicate, Shard, shard_size_and_offset
+from dtensor.placements import (Partial, Placement, Replicate, Shard, StridedShard,
+                                shard_size_and_offset, strided_indices)
 
-__all__ = ["redistribute_local", "local_shape_and_offset", "transition_cost", "dim_extent"]
+__all__ = ["redistribute_local", "local_shape_and_offset", "local_indices", "local_pieces",
+           "transition_cost", "dim_extent"]
 
 
 def dim_extent(shape, placements, mesh_shape, coord, d: int, upto: int) -> int:
@@ -33,13 +40,49 @@ def dim_extent(shape, placements, mesh_shape, coord, d: int, upto: int) -> int:
 
 
 def local_shape_and_offset(shape, placements, mesh_shape, coord):
-    """This rank's block of a global ``shape``: (local shape, global offset per dim)."""
+    """This rank's block of a global ``shape``: (local shape, global offset per dim).
+
+    A StridedShard dim's block is not one range: its offset is None (see local_indices)."""
     size, off = list(shape), [0] * len(shape)
     for m, p in enumerate(placements):
         if isinstance(p, Shard):
             n, o = shard_size_and_offset(size[p.dim], mesh_shape[m], coord[m])
             size[p.dim], off[p.dim] = n, off[p.dim] + o
+        elif isinstance(p, StridedShard):
+            n, _ = shard_size_and_offset(size[p.dim] // p.parts, mesh_shape[m], coord[m])
+            size[p.dim], off[p.dim] = n * p.parts, None
     return tuple(size), tuple(off)
+
+
+def local_indices(shape, placements, mesh_shape, coord) -> list:
+    """Per tensor dim, the global indices this rank's block holds, in local order: a slice for
+    a range, an index array for a StridedShard dim."""
+    size, off = local_shape_and_offset(shape, placements, mesh_shape, coord)
+    out = [slice(o, o + n) if o is not None else None for n, o in zip(size, off)]
+    for m, p in enumerate(placements):
+        if isinstance(p, StridedShard):
+            out[p.dim] = strided_indices(shape[p.dim], p.parts, mesh_shape[m], coord[m])
+    return out
+
+
+def local_pieces(shape, placements, mesh_shape, coord) -> list:
+    """This rank's block as rectangles of the global tensor: [(local slices, global offsets,
+    shape)]. One rectangle, unless a StridedShard dim holds one run per part."""
+    runs = []  # per dim: [(local start, global start, length)]
+    for idx in local_indices(shape, placements, mesh_shape, coord):
+        if isinstance(idx, slice):
+            runs.append([(0, idx.start, idx.stop - idx.start)])
+            continue
+        cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+        starts = np.concatenate([[0], cuts]).astype(int)
+        ends = np.concatenate([cuts, [idx.size]]).astype(int)
+        runs.append([(int(a), int(idx[a]), int(b - a)) for a, b in zip(starts, ends) if b > a]
+                    or [(0, 0, 0)])
+    out = []
+    for combo in itertools.product(*runs):
+        out.append((tuple(slice(a, a + n) for a, _, n in combo), tuple(o for _, o, _ in combo),
+                    tuple(n for _, _, n in combo)))
+    return out
 
 
 def transition_cost(src: Placement, dst: Placement, nbytes: int, n: int) -> float:
@@ -49,8 +92,9 @@ def transition_cost(src: Placement, dst: Placement, nbytes: int, n: int) -> floa
         return 0.0
     if isinstance(dst, Partial):
         return 0.0 if isinstance(src, Replicate) else float("inf")
-    if isinstance(src, Shard):
-        return nbytes * (n - 1) / n / (n if isinstance(dst, Shard) else 1)
+    if isinstance(src, (Shard, StridedShard)):  # an all_to_all between shards, else a gather
+        both = isinstance(src, Shard) and isinstance(dst, Shard)
+        return nbytes * (n - 1) / n / (n if both else 1)
     if isinstance(src, Partial):
         return nbytes * (n - 1) / n * (1 if isinstance(dst, Shard) else 2)
     return 0.0  # R -> S: a local slice
@@ -90,6 +134,20 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
 
     def settled_outer(d, m):  # no outer mesh dim still has to split or unsplit tensor dim d
         return all((cur[o] == Shard(d)) == (tgt[o] == Shard(d)) for o in range(m))
+
+    # 0. Strided shards leave through Replicate (their dim is split by no other mesh dim).
+    for m in range(nd):
+        p = cur[m]
+        if isinstance(p, StridedShard) and tgt[m] != p:
+            group = mesh.get_group(m)
+            whole = shape[p.dim]
+            gathered = group.all_gather(local, axis=p.dim, sizes=[
+                p.parts * shard_size_and_offset(whole // p.parts, group.size, r)[0]
+                for r in range(group.size)])
+            held = np.concatenate([strided_indices(whole, p.parts, group.size, r)
+                                   for r in range(group.size)])
+            local = np.take(gathered, np.argsort(held, kind="stable"), axis=p.dim)
+            cur[m] = Replicate()
 
     # 1. Undo shards, innermost mesh dim first. A shard of the same tensor dim that changes on
     #    an outer mesh dim forces this inner one to be gathered too (outer dims split first).
@@ -153,6 +211,9 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
             # write out every repeated element.
             broadcast = not local.flags.writeable and local.strides[t.dim] == 0
             local = piece if broadcast else piece.copy()
+        elif isinstance(t, StridedShard):
+            local = np.take(local, strided_indices(local.shape[t.dim], t.parts, mesh.shape[m],
+                                                   coord[m]), axis=t.dim)
         elif isinstance(t, Partial) and t.reduce_op == "sum" and coord[m] != 0:
             # A replicated value as sum-partials: one rank keeps it, the others hold zeros.
             local = np.zeros_like(local)

@@ -12,6 +12,12 @@ A reduction or contraction over a sharded dim gives Partial. An op may name a te
 (``meta["template"]``: the weight whose gradient index_add builds, the input whose gradient
 scatter_add builds): only its shape is read, it never moves, and the result takes its layout.
 An op without a rule raises NotImplementedError naming the op and the placements.
+
+Rules speak of Shard. For a StridedShard input (``S(d)/k``: k parts of dim d, each split), a
+candidate that would keep it as Shard(d), on an op that carries dims through in order
+(``_CARRIES``), keeps it strided and makes its other shards ``S(e)/k`` alike, where dim e keeps
+the size of dim d. Slicing one whole part out of a strided dim gives that part as Shard (getitem),
+and writing a Shard part into its place gives the strided whole (slice_scatter, the vjp).
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dtensor.placements import Partial, Placement, Replicate, Shard
+from dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard
 from dtensor.redistribute import transition_cost
 
 __all__ = ["Strategy", "propagate", "RULES"]
@@ -164,20 +170,38 @@ def _full(k, n) -> bool:
     return isinstance(k, tuple) and tuple(k) == (0, n, 1)
 
 
-def _getitem(avals, params, out, *_):
+def _part(k, n) -> int:
+    """How many equal parts of a dim of ``n`` the slice ``k`` is one whole part of (0: none)."""
+    if not isinstance(k, tuple) or k[2] != 1 or not 0 < k[1] - k[0] < n:
+        return 0
+    size = k[1] - k[0]
+    return n // size if n % size == 0 and k[0] % size == 0 else 0
+
+
+def _getitem(avals, params, out, op, current, pieces):
     (x,), key = avals, params["key"]
     real = [k for k in key if k is not None]
     pos = _key_positions(key, len(x.shape))
-    return [([Shard(d)], Shard(pos[d])) for d in range(len(x.shape))
-            if _full(real[d], x.shape[d])] + [([R], R)]
+    cands = [([Shard(d)], Shard(pos[d])) for d in range(len(x.shape))
+             if _full(real[d], x.shape[d])]
+    p = current[0]
+    if isinstance(p, StridedShard) and pos[p.dim] is not None \
+            and _part(real[p.dim], x.shape[p.dim]) == p.parts:
+        cands.insert(0, ([p], Shard(pos[p.dim])))  # one part: the rank holds its shard of it
+    return cands + [([R], R)]
 
 
-def _slice_scatter(avals, params, out, *_):
+def _slice_scatter(avals, params, out, op, current, pieces):
     shape, key = params["shape"], params["key"]
     real = [k for k in key if k is not None]
     pos = _key_positions(key, len(shape))
-    return [([Shard(pos[d])], Shard(d)) for d in range(len(shape))
-            if _full(real[d], shape[d])] + [([R], R)]
+    cands = [([Shard(pos[d])], Shard(d)) for d in range(len(shape))
+             if _full(real[d], shape[d])]
+    for d in range(len(shape)):  # a Shard part put back in its place: the strided whole
+        k = _part(real[d], shape[d])
+        if k and pos[d] is not None and current[0] == Shard(pos[d]):
+            cands.insert(0, ([Shard(pos[d])], StridedShard(d, k)))
+    return cands + [([R], R)]
 
 
 def _cat(avals, params, out, *_):
@@ -313,6 +337,38 @@ def _linear_candidates(op, avals, current):
     return cands
 
 
+# Rules whose Shard(d) -> Shard(e) candidates carry dim d's entries to dim e in order, so a
+# strided layout survives them. The index rules read a shard's offset and are not among them.
+_CARRIES = {"pointwise", "matmul", "reshape", "permute", "broadcast", "getitem", "slice_scatter",
+            "cat", "reduce", "rowwise", "pointwise_stacked", "along", "matrix", "factory"}
+
+
+def _strided(cands, avals, out, current):
+    """A rule's candidates for StridedShard inputs: one that asks for a strided input as
+    Shard of its dim has every Shard in it made strided alike where the dim keeps its size, and
+    is dropped where it would not (a reshape splitting the dim: a gather to Replicate remains)."""
+    keep = []
+    for ins, o in cands:
+        carried = [c for c, need in zip(current, ins)
+                   if isinstance(c, StridedShard) and need == Shard(c.dim)]
+        if not carried:
+            keep.append((ins, o))
+            continue
+        c = carried[0]
+        size = next(a.shape[c.dim] for a, p in zip(avals, current) if p == c)
+
+        def strided(p, shape):
+            return StridedShard(p.dim, c.parts) if isinstance(p, Shard) and \
+                shape[p.dim] == size else p
+
+        new_ins = [need if need is None else strided(need, a.shape) for need, a in zip(ins, avals)]
+        new_o = strided(o, out.shape)
+        if any(isinstance(p, Shard) for p in new_ins + [new_o]):
+            continue
+        keep.append((new_ins, new_o))
+    return keep
+
+
 def _candidates(op, avals, params, out, current, mesh_size):
     """Candidates on one mesh dim. ``mesh_size`` is the number of pieces the first input's
     sharded dim is cut into (the product over every mesh dim sharding that tensor dim)."""
@@ -322,7 +378,10 @@ def _candidates(op, avals, params, out, current, mesh_size):
             f"op {op.name!r} has no sharding rule (shard={op.shard!r}); inputs are "
             f"{[c for c in current]}. Add a rule to dtensor/sharding.py or call it on "
             f"full tensors (dt.full_tensor()).")
-    return rule(avals, params, out, op, current, mesh_size) + _linear_candidates(op, avals, current)
+    cands = rule(avals, params, out, op, current, mesh_size)
+    if op.shard in _CARRIES and any(isinstance(c, StridedShard) for c in current):
+        cands = _strided(cands, avals, out, current)
+    return cands + _linear_candidates(op, avals, current)
 
 
 @dataclass(frozen=True)
@@ -374,8 +433,8 @@ def propagate(op, avals, params, placements, out, mesh) -> Strategy:
                 if need != current[k]:
                     moved += transition_cost(current[k], need, nbytes[k], n)
                     changed += 1
-                    introduces |= isinstance(need, Shard)
-                elif isinstance(need, Shard):
+                    introduces |= isinstance(need, (Shard, StridedShard))
+                elif isinstance(need, (Shard, StridedShard)):
                     follows = True
             # Ops follow their inputs' shards: a shard no input has is never invented (so a
             # Partial feeding a nonlinear op is all-reduced, not silently scattered).

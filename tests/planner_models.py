@@ -116,28 +116,32 @@ class Encoder(Module):
 # ----------------------------------------------------------------------------- Fused
 
 class _FusedAttention(Module):
-    def __init__(self, width, heads, heads_major):
+    def __init__(self, width, heads, heads_major, kv_heads=None):
         super().__init__()
         self.heads, self.heads_major = heads, heads_major
-        self.qkv = Linear(width, 3 * width, bias=False)
+        self.kv_heads = kv_heads or heads
+        self.kv_width = width // heads * self.kv_heads
+        self.qkv = Linear(width, width + 2 * self.kv_width, bias=False)
         self.out = Linear(width, width, bias=False)
 
     def forward(self, x):
         B, T, C = x.shape
         if self.heads_major:  # (B, T, heads, 3 * head_dim): q, k, v of a head side by side
             q, k, v = self.qkv(x).view(B, T, self.heads, -1).transpose(1, 2).chunk(3, dim=-1)
-        else:  # [q | k | v] over the whole width
-            q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2)
-                       for t in self.qkv(x).split(C, dim=2))
+        else:  # [q | k | v] over the whole width (k and v narrower under GQA, as Phi-3's)
+            q, k, v = self.qkv(x).split([C, self.kv_width, self.kv_width], dim=2)
+            q = q.view(B, T, self.heads, -1).transpose(1, 2)
+            k, v = (t.view(B, T, self.kv_heads, -1).transpose(1, 2).repeat_interleave(
+                self.heads // self.kv_heads, dim=1) for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(B, T, C))
 
 
 class _FusedBlock(Module):
-    def __init__(self, width, heads, heads_major):
+    def __init__(self, width, heads, heads_major, kv_heads=None):
         super().__init__()
         self.pre = RMSNorm(width)
-        self.mix = _FusedAttention(width, heads, heads_major)
+        self.mix = _FusedAttention(width, heads, heads_major, kv_heads)
         self.pre2 = RMSNorm(width)
         self.up = Linear(width, 2 * width, bias=False)
         self.down = Linear(2 * width, width, bias=False)
@@ -148,10 +152,12 @@ class _FusedBlock(Module):
 
 
 class Fused(Module):
-    def __init__(self, heads_major=True, vocab=VOCAB, width=WIDTH, heads=HEADS, depth=2):
+    def __init__(self, heads_major=True, vocab=VOCAB, width=WIDTH, heads=HEADS, depth=2,
+                 kv_heads=None):
         super().__init__()
         self.table = Embedding(vocab, width)
-        self.body = ModuleList([_FusedBlock(width, heads, heads_major) for _ in range(depth)])
+        self.body = ModuleList([_FusedBlock(width, heads, heads_major, kv_heads)
+                                for _ in range(depth)])
         self.final = RMSNorm(width)
         self.unembed = Linear(width, vocab, bias=False)
         self.unembed.weight = self.table.weight  # tied

@@ -409,7 +409,7 @@ META_ATTACKS = [  # (name, edit of metadata.json, what the error names)
     ("key a tensor and a value", _set("values", "w", [1, 2]),
      r"tensors\['w'\] is also in values: a key is a tensor or a JSON value, not both"),
     ("more blocks than ranks", _set(*WB, [{}] * 2),
-     r"tensors\['w'\]\['blocks'\] has 2 blocks, more than one for each of the 1 ranks"),
+     r"tensors\['w'\]\['blocks'\] has 2 blocks, more than the 1 each of the 1 ranks"),
     ("world_size zero", _set("world_size", 0), r"\['world_size'\] is 0, not a number of ranks"),
     ("world_size huge", _set("world_size", 10**30), r"\['world_size'\] is 10{30}, not a"),
     ("not our format", _foreign, r"has format None, not 'dtensor-checkpoint'"),
@@ -885,10 +885,10 @@ def test_a_plain_tensor_save_under_bare_mpiexec_is_collective(comm, rank, tmp_pa
 
 LOCAL_FAILURES = [  # (call, helper failing on rank 1 between collectives, error)
     ("save", "_crc", MemoryError("no memory for the checksum")),
-    ("save", "_my_block", RuntimeError("the local block failed")),
+    ("save", "_my_blocks", RuntimeError("the local block failed")),
     ("save", "_jsonable", TypeError("a value that is not JSON")),
     ("load", "_crc", MemoryError("no memory for the checksum")),
-    ("load", "_target_block", RuntimeError("the local block failed")),
+    ("load", "_target_pieces", RuntimeError("the local block failed")),
 ]
 
 

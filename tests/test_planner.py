@@ -104,12 +104,12 @@ EXPECTED = {
     "stack": (3, 3, 0, 0, 1, 0),              # widen | narrow; the 1-wide readout stays whole
     "encoder": (8, 4, 1, 1, 0, 0),            # query, key, value, intermediate | dense, output
     "fused": (4, 4, 1, 1, 0, 0),              # qkv (heads-major), up | out, down
-    "fused_qkv_major": (2, 2, 1, 1, 4, 0),    # qkv split by .split(C): qkv and out stay whole
+    "fused_qkv_major": (4, 4, 1, 1, 0, 0),    # qkv split by .split(C): each part split
     "parallel": (8, 4, 1, 1, 0, 2),           # one reduction per parallel block
     "mixture": (6, 6, 1, 1, 2, 2),            # every expert's pair; routers whole; one
     "shared": (4, 2, 1, 1, 0, 0),             # reduction per mixture; one layer, 3 calls
-    "nano": (2, 2, 1, 1, 4, 0),               # c_fc | c_proj; attention whole (c_attn's
-}                                             # q|k|v-major split, as fused_qkv_major)
+    "nano": (4, 4, 1, 1, 0, 0),               # c_attn (q|k|v-major), c_fc | c_proj, c_proj
+}
 
 
 def _roles(found, model) -> tuple:
@@ -224,8 +224,8 @@ def _why(found, path):
 FALLBACKS = [  # model, module left whole, the reason the explanation gives
     (lambda: _Loss(GPT(GPTConfig(**dict(GPT_CFG, n_head=3, n_embd=15)))), "inner.blocks.0.attn.q",
      r"reshape \(4, 8, 15\) -> \(4, 8, 3, 5\) cannot keep tensor dim 2 sharded"),
-    (MODELS["fused_qkv_major"], "body.0.mix.qkv",
-     r"cut into 3 parts of 16 along the split features .*needs a strided shard"),
+    (lambda: zoo.Fused(False, kv_heads=2), "body.0.mix.qkv",
+     r"sliced along the split features into pieces of unequal widths \(16, 8, 8\)"),
     (MODELS["stack"], "readout", r"1 output features, fewer than the 2 ranks"),
     (MODELS["encoder"], "positions", r"indexed by positions the model computes"),
     (MODELS["mixture"], "moes.0.router", r"softmax needs the split value"),

@@ -225,11 +225,16 @@ def _bf16_rows(entry: _Entry, name: str, rows: slice, rest: tuple, header) -> np
 
 # ----------------------------------------------------------------------------- load
 
-def _block(p) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(local shape, global offsets) of this rank's block of parameter ``p``."""
+def _block(p):
+    """(local shape, [(local slices, global offsets, shape)]) of this rank's block of ``p``: one
+    rectangle, or one per part of a StridedShard dim."""
     if not hasattr(p, "_spec"):
-        return tuple(p.shape), (0,) * len(p.shape)
-    return p._spec.local_shape_and_offset()
+        shape = tuple(p.shape)
+        return shape, [(tuple(slice(0, n) for n in shape), (0,) * len(shape), shape)]
+    from dtensor.redistribute import local_pieces
+    spec = p._spec
+    return tuple(spec.local_shape_and_offset()[0]), local_pieces(
+        spec.shape, spec.placements, spec.mesh.shape, spec.mesh.get_coordinate())
 
 
 def _target(p, shape: tuple[int, ...]) -> np.ndarray:
@@ -351,20 +356,21 @@ def _read(plan: dict, where: dict[str, _Entry]) -> None:
     headers: dict[Path, tuple[int, dict]] = {}
     for name, p in plan.items():
         entry = where[name]
-        shape, offset = _block(p)
-        out = _target(p, shape)
-        # A 0-d tensor is read as one row; an empty block (a trailing uneven shard) not at all:
-        # safetensors refuses an empty slice.
-        rows, *rest = [slice(o, o + n) for o, n in zip(offset, shape)] or [slice(0, 1)]
-        dst = out.reshape(1) if out.ndim == 0 else out
+        local_shape, pieces = _block(p)
+        out = _target(p, local_shape)
         if entry.dtype == "BF16" and entry.path not in headers:
             headers[entry.path] = _raw_header(entry.path)
         step = max(1, _CHUNK // (_ITEMSIZE[entry.dtype] * max(1, math.prod(entry.shape[1:]))))
-        for r in range(rows.start, rows.stop if out.size else rows.start, step):
-            chunk = slice(r, min(r + step, rows.stop))
-            got = (_bf16_rows(entry, name, chunk, tuple(rest), headers[entry.path])
-                   if entry.dtype == "BF16" else _slice_rows(entry, name, chunk, tuple(rest)))
-            np.copyto(dst[r - rows.start: chunk.stop - rows.start], got, casting="unsafe")
+        for at, offset, shape in pieces:
+            # A 0-d tensor is read as one row; an empty block (a trailing uneven shard) not at
+            # all: safetensors refuses an empty slice.
+            rows, *rest = [slice(o, o + n) for o, n in zip(offset, shape)] or [slice(0, 1)]
+            dst = out.reshape(1) if out.ndim == 0 else out[at]
+            for r in range(rows.start, rows.stop if dst.size else rows.start, step):
+                chunk = slice(r, min(r + step, rows.stop))
+                got = (_bf16_rows(entry, name, chunk, tuple(rest), headers[entry.path])
+                       if entry.dtype == "BF16" else _slice_rows(entry, name, chunk, tuple(rest)))
+                np.copyto(dst[r - rows.start: chunk.stop - rows.start], got, casting="unsafe")
         _store(p, out)
 
 

@@ -17,7 +17,7 @@ from dtensor.parallel.loss import loss_parallel as _loss_parallel
 from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                     PrepareModuleOutput, RowwiseParallel, SequenceParallel,
                                     distribute_param, wrap_forward)
-from dtensor.placements import Replicate, Shard
+from dtensor.placements import Replicate, Shard, StridedShard
 from dtensor.tensor import TensorMethods
 
 __all__ = ["parallelize_module", "parallelize", "replicate"]
@@ -218,7 +218,8 @@ def _fsdp_dim(p: DTensor, tp: int | None) -> int | None:
     shards (a column-parallel bias): nested in the tp shard, its dp pieces would gather
     through the whole vector, an all-gather over "tp" too on every forward, to save a few
     bytes; it stays whole over "dp" and its gradient is all-reduced as in data parallel."""
-    taken = p.placements[tp].dim if tp is not None and isinstance(p.placements[tp], Shard) else None
+    split = p.placements[tp] if tp is not None else None
+    taken = split.dim if isinstance(split, (Shard, StridedShard)) else None
     if taken == 0 and p.ndim == 1:
         return None
     return 1 if taken == 0 else 0

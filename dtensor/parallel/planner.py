@@ -12,7 +12,9 @@ the graph:
   interpreter runs): seed one Linear's output as ``Shard(-1)``, follow it; where an op would cut
   another Linear's output (attention's keys against its queries), that Linear joins the column
   side, or, if it cannot (key/value heads that do not split evenly), stays whole and is sliced
-  locally; where an op would need the split data gathered, the chain is refused.
+  locally; where an op would need the split data gathered, the chain is refused. A Linear
+  whose output is sliced into k equal parts (a fused [q | k | v] projection) is seeded again as
+  ``StridedShard(-1, k)``: each part is split, so slicing one out moves nothing.
 * **vocabulary tables**: an Embedding indexed by the model's input is vocab-parallel. One
   indexed by positions the model computes itself stays replicated (as Megatron keeps
   position tables).
@@ -45,7 +47,7 @@ from dtensor.mesh import DeviceMesh
 from dtensor.nn.layers import Embedding, Linear
 from dtensor.nn.module import Module
 from dtensor.parallel.style import ParallelStyle
-from dtensor.placements import Partial, Replicate, Shard
+from dtensor.placements import Partial, Replicate, Shard, StridedShard
 
 __all__ = ["plan", "Plan"]
 
@@ -125,6 +127,14 @@ class _Break(Exception):
     """A chain that cannot stay split: why, in words."""
 
 
+class _Parts(_Break):
+    """A split value sliced into ``parts`` equal parts along its split dim."""
+
+    def __init__(self, value, parts: int, why: str):
+        super().__init__(why)
+        self.value, self.parts = value, parts
+
+
 _MESH1 = {}
 
 
@@ -159,8 +169,9 @@ class _Graph:
             if c.out is not None:
                 self.made_by[c.out.id] = c
 
-    def walk(self, cols: set, tp: int):
-        """Propagate Shard(-1) from the outputs of the Linear modules ``cols``.
+    def walk(self, cols: set, tp: int, parts: dict | None = None):
+        """Propagate Shard(-1) from the outputs of the Linear modules ``cols`` (StridedShard(-1,
+        k) from those ``parts`` maps to k).
 
         Returns (rows, heads, sliced, place): the Linear modules that take the split value as
         their input (row-parallel), the kinds of head exits reached ("loss", "output"), the
@@ -171,10 +182,12 @@ class _Graph:
         for c in seeds:
             if c.out is None:
                 raise _Break(f"{c.path} returns no single tensor")
-            if c.module.out_features < tp:
-                raise _Break(f"{c.path} has {c.module.out_features} output features, fewer "
-                             f"than the {tp} ranks")
-            place[c.out.id] = Shard(len(c.out.shape) - 1)
+            k = (parts or {}).get(id(c.module), 1)
+            if c.module.out_features // k < tp:
+                raise _Break(f"{c.path} has {c.module.out_features // k} output features"
+                             f"{' per part' if k > 1 else ''}, fewer than the {tp} ranks")
+            last = len(c.out.shape) - 1
+            place[c.out.id] = StridedShard(last, k) if k > 1 else Shard(last)
         rows, heads, sliced = {}, set(), []
         start = min(self.index.get(c.out.id, 0) for c in seeds)
         # the walk ends past the last use of a split value
@@ -211,7 +224,11 @@ class _Graph:
                 if need is None or cur is None or need[0] == cur:
                     continue
                 if cur != R:
-                    raise _Break(_parts_message(node, cur) or
+                    k = _parts(node, cur)
+                    if k:
+                        raise _Parts(a, k, f"its output is cut into {k} parts along the split "
+                                           f"features and read part by part")
+                    raise _Break(self._pieces_message(a, cur) or
                                  f"{node.name} needs the split value {cur} moved to {need[0]}")
                 if isinstance(need[0], Shard):
                     sliced.append(a)
@@ -227,6 +244,20 @@ class _Graph:
                 raise _Break(f"{node.name} sums over the split features")
         heads |= {"output" for c in seeds if id(c.out) in self.outputs}
         return rows, heads, sliced, place
+
+    def _pieces_message(self, value, cur) -> str | None:
+        """Why a value sliced into pieces along its split dim cannot be split piece by piece
+        (a fused [q | k | v] with narrower k and v), or None."""
+        if not isinstance(cur, (Shard, StridedShard)):
+            return None
+        cuts = sorted(k[cur.dim] for u in self.users.get(value.id, []) if u.name == "getitem"
+                      for k in [[k for k in u.params["key"] if k is not None]]
+                      if len(k) > cur.dim and isinstance(k[cur.dim], tuple))
+        widths = tuple(stop - start for start, stop, _ in cuts)
+        if len(set(widths)) < 2:
+            return None
+        return (f"its output is sliced along the split features into pieces of unequal widths "
+                f"{widths}; a strided shard splits equal parts only")
 
     def propagate(self, node, ins, tp: int):
         """The sharding rule's strategy for ``node`` with inputs laid out ``ins`` on one mesh
@@ -270,22 +301,20 @@ class _Graph:
         return out
 
 
-def _parts_message(node, cur) -> str | None:
-    """The reason, in words, when a split output is cut into equal parts along the split dim
-    (a fused projection's ``.split(C, dim=-1)`` into q, k and v)."""
+def _parts(node, cur) -> int:
+    """k when ``node`` slices one of k equal parts out of a value split along ``cur``'s dim (a
+    fused projection's ``.split(C, dim=-1)`` into q, k and v), else 0."""
     if node.name != "getitem" or not isinstance(cur, Shard):
-        return None
-    key = node.params.get("key", ())
+        return 0
+    key = [k for k in node.params.get("key", ()) if k is not None]
     d, whole = cur.dim, node.inputs[0].shape[cur.dim]
     if d >= len(key) or not isinstance(key[d], tuple):
-        return None
+        return 0
     start, stop, step = key[d]
     part = stop - start
-    if step != 1 or part <= 0 or whole % part or whole == part:
-        return None
-    return (f"its output is cut into {whole // part} parts of {part} along the split features "
-            f"(a fused projection read part by part, as [q | k | v]); splitting each part "
-            f"over the ranks needs a strided shard, which dtensor does not have")
+    if step != 1 or part <= 0 or whole % part or whole == part or start % part:
+        return 0
+    return whole // part
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -298,6 +327,7 @@ class _Chain:
     head: str | None = None  # "loss", "output" or "gathered"
     region: set = field(default_factory=set)  # ids of the nodes that carry the split
     why: dict = field(default_factory=dict)  # id of a shared module -> why it stays whole
+    parts: dict = field(default_factory=dict)  # id of a column Linear read in k parts -> k
 
 
 @dataclass
@@ -424,18 +454,20 @@ class _Finder:
 
     def _grow(self, seed: _Call):
         """The chain seeded at ``seed`` (its column side grown to a fixpoint), or None."""
-        cols, whole, why = {id(seed.module): seed.module}, {}, {}
+        cols, whole, why, parts = {id(seed.module): seed.module}, {}, {}, {}
         try:
             while True:
-                rows, heads, sliced, place = self.g.walk(set(cols), self.tp)
+                rows, heads, sliced, place = self._walk(set(cols), parts)
                 grow = {id(c.module): c.module for a in sliced for c in self.g.sources(a)}
                 grow = {k: m for k, m in grow.items() if k not in cols and k not in whole}
                 if not grow:
                     break
                 for k, m in grow.items():  # one at a time: each must keep the chain valid
                     try:
-                        self.g.walk(set(cols) | {k}, self.tp)
+                        trial = dict(parts)
+                        self._walk(set(cols) | {k}, trial)
                         cols[k] = m
+                        parts = trial
                     except _Break as e:
                         whole[k] = m
                         why[k] = str(e)
@@ -463,7 +495,19 @@ class _Finder:
             if not self.loss_parallel:
                 return _Chain([seed.module], [], [], "gathered")
         return _Chain(list(cols.values()), list(rows.values()), list(whole.values()), head,
-                      set(place), why)
+                      set(place), why, parts)
+
+    def _walk(self, cols: set, parts: dict):
+        """The walk from ``cols``; a Linear whose output is read in k parts is split part by
+        part (``parts`` records it) and the walk tried again."""
+        while True:
+            try:
+                return self.g.walk(cols, self.tp, parts)
+            except _Parts as e:
+                src = [c for c in self.g.sources(e.value) if id(c.module) in cols]
+                if len(src) != 1 or id(src[0].module) in parts:
+                    raise
+                parts[id(src[0].module)] = e.parts
 
     def _head_gathered(self, seed: _Call) -> bool:
         """Whether ``seed``'s output reaches only the loss or the model's output, through
@@ -698,6 +742,7 @@ class _Layout:
         self.deferred: list = []  # (module call, row calls, parameters whose grads are partial)
         self.partial: set = set()  # ids of the values that stay partial sums inside them
         self.seq: set = set()  # ids of the stream's sequence shards (set by styles())
+        self.parts: dict[int, int] = {}  # column Linear read in k parts (StridedShard) -> k
 
     # -- roles
     def find(self):
@@ -714,9 +759,12 @@ class _Layout:
                 self.role[id(ch.cols[0])] = (ch.cols[0], "head" if ch.head != "gathered"
                                              else "gathered", why)
                 continue
+            self.parts.update(ch.parts)
             for m in ch.cols:
+                each = (f"; its output is read in {ch.parts[id(m)]} parts, each split"
+                        if id(m) in ch.parts else "")
                 self.role[id(m)] = (m, "col", f"chain {k}: column side, split up to "
-                                              f"{paths(ch.rows)}")
+                                              f"{paths(ch.rows)}{each}")
             for m in ch.rows:
                 self.role[id(m)] = (m, "row", f"chain {k}: row side, after {paths(ch.cols)}")
             for m in ch.shared:
@@ -856,12 +904,15 @@ class _Layout:
                     role = "gathered" if style.output_layouts == R else "head"
                 else:
                     role = "col"
+                    if style.parts > 1:
+                        self.parts[id(m)] = style.parts
                 self.role[id(m)] = (m, role, "")
             elif isinstance(style, RowwiseParallel):
                 self.role[id(m)] = (m, "vocab" if isinstance(m, Embedding) else "row", "")
         cols = {k for k, (_, r, _) in self.role.items() if r == "col"}
         try:  # where the plan's split values go, and the whole layers an op cuts locally
-            _, _, sliced, region = self.g.walk(cols, self.n) if cols else ({}, (), [], {})
+            _, _, sliced, region = (self.g.walk(cols, self.n, self.parts) if cols else
+                                    ({}, (), [], {}))
         except _Break:
             sliced, region = [], {}
         self.chains = [_Chain([], [], [], region=set(region))]
@@ -981,7 +1032,7 @@ class _Layout:
             st[call.path] = _Both(st[call.path], back) if call.path in st else back
         for _, (m, role, _) in self.role.items():
             if role == "col":
-                style = ColwiseParallel(use_local_output=False)
+                style = ColwiseParallel(use_local_output=False, parts=self.parts.get(id(m), 1))
             elif role in ("head", "gathered"):
                 style = ColwiseParallel(input_layouts=stream,
                                         output_layouts=Shard(-1) if role == "head" else R,
@@ -1197,7 +1248,11 @@ class _Layout:
             m = c.module
             if id(m) in self.role:
                 _, role, why = self.role[id(m)]
-                out.append((c.path, _ROLE_TEXT.get(role, "Linear weight whole"), why))
+                text = _ROLE_TEXT.get(role, "Linear weight whole")
+                if id(m) in self.parts:
+                    text = (f"Linear weight StridedShard(0, {self.parts[id(m)]}) (each part's "
+                            f"output features)")
+                out.append((c.path, text, why))
             elif any(call.module is m for call, _, _ in self.deferred):
                 rows = next(r for call, r, _ in self.deferred if call.module is m)
                 first = (f"input {self.stream!r} -> Replicate; " if bounds.get(

@@ -10,7 +10,9 @@ the other dim keeps whatever the activation already has (the batch stays Shard(0
 and parameters are Replicate over it (``parallelize(fsdp=True)`` shards them instead).
 
     ColwiseParallel   Linear weight Shard(0) (output features), bias Shard(0); Embedding weight
-                      Shard(1). Input Replicate, output Shard(-1).
+                      Shard(1). Input Replicate, output Shard(-1). With parts=k (a fused
+                      projection read in k parts, as [q | k | v]) each part is split:
+                      StridedShard(0, k) and StridedShard(-1, k) in place of the Shards.
     RowwiseParallel   Linear weight Shard(1) (input features), bias Replicate; Embedding weight
                       Shard(0) (vocab-parallel). Input Shard(-1) (Replicate for Embedding);
                       the output is Partial and leaves as Replicate (all-reduce) or, given
@@ -30,7 +32,7 @@ from typing import Sequence
 from dtensor.dtensor import DTensor, _redistribute, distribute_tensor
 from dtensor.nn.layers import Embedding, Linear
 from dtensor.nn.module import Module, Parameter
-from dtensor.placements import Placement, Replicate, Shard
+from dtensor.placements import Placement, Replicate, Shard, StridedShard
 from dtensor.tensor import TensorMethods
 from dtensor.validate import as_bool, as_dim, as_int
 
@@ -57,6 +59,8 @@ def _with(placements, tp: int, p: Placement, ndim: int) -> tuple[Placement, ...]
     """``placements`` with mesh dim ``tp`` set to ``p`` (negative Shard dims resolved)."""
     if isinstance(p, Shard):
         p = Shard(p.dim % ndim)
+    elif isinstance(p, StridedShard):
+        p = StridedShard(p.dim % ndim, p.parts)
     out = list(placements)
     out[tp] = p
     return tuple(out)
@@ -127,7 +131,7 @@ class ParallelStyle:
                          f"PrepareModuleOutput on this module.")
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
 
 
@@ -174,12 +178,29 @@ class _LinearStyle(ParallelStyle):
 
 
 class ColwiseParallel(_LinearStyle):
-    """Shard a Linear's output features (an Embedding's embedding dim) over the mesh."""
+    """Shard a Linear's output features (an Embedding's embedding dim) over the mesh.
+
+    ``parts=k``: the output is read as k equal parts (a fused q/k/v projection sliced
+    ``[q | k | v]``), so each part is split over the mesh instead of the whole width: rank r
+    holds its shard of q, of k and of v, and slicing q out moves nothing (StridedShard)."""
 
     _linear = (Shard(0), Shard(0))
     _embedding = Shard(1)
     _in = Replicate()
     _out = Shard(-1)
+
+    def __init__(self, *, input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None, use_local_output: bool = True,
+                 parts: int = 1):
+        super().__init__(input_layouts=input_layouts, output_layouts=output_layouts,
+                         use_local_output=use_local_output)
+        self.parts = as_int(parts, "ColwiseParallel: parts", low=1,
+                            fix="Give the number of equal parts the output is read in, e.g. "
+                                "parts=3 for a fused [q | k | v] projection.")
+        if self.parts > 1:
+            self._linear = (StridedShard(0, self.parts),) * 2
+            self._embedding = StridedShard(1, self.parts)
+            self._out = StridedShard(-1, self.parts)
 
 
 class RowwiseParallel(_LinearStyle):

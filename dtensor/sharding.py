@@ -170,7 +170,7 @@ def _full(k, n) -> bool:
     return isinstance(k, tuple) and tuple(k) == (0, n, 1)
 
 
-def _part(k, n) -> int:
+def part_of(k, n) -> int:
     """How many equal parts of a dim of ``n`` the slice ``k`` is one whole part of (0: none)."""
     if not isinstance(k, tuple) or k[2] != 1 or not 0 < k[1] - k[0] < n:
         return 0
@@ -186,7 +186,7 @@ def _getitem(avals, params, out, op, current, pieces):
              if _full(real[d], x.shape[d])]
     p = current[0]
     if isinstance(p, StridedShard) and pos[p.dim] is not None \
-            and _part(real[p.dim], x.shape[p.dim]) == p.parts:
+            and part_of(real[p.dim], x.shape[p.dim]) == p.parts:
         cands.insert(0, ([p], Shard(pos[p.dim])))  # one part: the rank holds its shard of it
     return cands + [([R], R)]
 
@@ -198,7 +198,7 @@ def _slice_scatter(avals, params, out, op, current, pieces):
     cands = [([Shard(pos[d])], Shard(d)) for d in range(len(shape))
              if _full(real[d], shape[d])]
     for d in range(len(shape)):  # a Shard part put back in its place: the strided whole
-        k = _part(real[d], shape[d])
+        k = part_of(real[d], shape[d])
         if k and pos[d] is not None and current[0] == Shard(pos[d]):
             cands.insert(0, ([Shard(pos[d])], StridedShard(d, k)))
     return cands + [([R], R)]

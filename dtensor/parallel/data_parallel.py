@@ -35,7 +35,7 @@ from dtensor.nn.module import Module, Parameter
 from dtensor.ops import registry
 from dtensor.ops.registry import Op
 from dtensor.parallel.style import wrap_forward
-from dtensor.placements import Partial, Replicate, Shard
+from dtensor.placements import Partial, Replicate, Shard, StridedShard
 from dtensor.redistribute import redistribute_local
 from dtensor.tensor import Tensor, TensorMethods
 from dtensor.validate import as_bool, as_real
@@ -309,7 +309,12 @@ def _fsdp_layout(name: str, p, mesh: DeviceMesh):
     Covering the root keeps one writer per block in a checkpoint and one mesh for every
     parameter; "dp" innermost splits the "tp" block, so gathering it is one all-gather over
     "dp" whatever "tp" shards (PyTorch reaches the same with _StridedShard on ("dp", "tp"))."""
-    split = Shard(0) if p.ndim else Replicate()  # a 0-d parameter is replicated, all-reduced
+    # Shard(0), or the first dim no "tp" StridedShard splits (its dp pieces would not be one
+    # range of the global tensor); a 0-d parameter, or a vector "tp" splits strided, is
+    # replicated and its gradient all-reduced.
+    strided = {q.dim for q in getattr(p, "placements", ()) if isinstance(q, StridedShard)}
+    free = [d for d in range(p.ndim) if d not in strided]
+    split = Shard(free[0]) if free else Replicate()
     root, ddims = mesh._root
     if isinstance(p, DTensor):
         own = p.device_mesh

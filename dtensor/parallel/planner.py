@@ -250,10 +250,12 @@ class _Graph:
         (a fused [q | k | v] with narrower k and v), or None."""
         if not isinstance(cur, (Shard, StridedShard)):
             return None
-        cuts = sorted(k[cur.dim] for u in self.users.get(value.id, []) if u.name == "getitem"
-                      for k in [[k for k in u.params["key"] if k is not None]]
-                      if len(k) > cur.dim and isinstance(k[cur.dim], tuple))
-        widths = tuple(stop - start for start, stop, _ in cuts)
+        cuts = []
+        for u in self.users.get(value.id, []):
+            key = [k for k in u.params["key"] if k is not None] if u.name == "getitem" else []
+            if len(key) > cur.dim and isinstance(key[cur.dim], tuple):
+                cuts.append(key[cur.dim])
+        widths = tuple(stop - start for start, stop, _ in sorted(cuts))
         if len(set(widths)) < 2:
             return None
         return (f"its output is sliced along the split features into pieces of unequal widths "
@@ -304,17 +306,11 @@ class _Graph:
 def _parts(node, cur) -> int:
     """k when ``node`` slices one of k equal parts out of a value split along ``cur``'s dim (a
     fused projection's ``.split(C, dim=-1)`` into q, k and v), else 0."""
+    from dtensor.sharding import part_of
     if node.name != "getitem" or not isinstance(cur, Shard):
         return 0
-    key = [k for k in node.params.get("key", ()) if k is not None]
-    d, whole = cur.dim, node.inputs[0].shape[cur.dim]
-    if d >= len(key) or not isinstance(key[d], tuple):
-        return 0
-    start, stop, step = key[d]
-    part = stop - start
-    if step != 1 or part <= 0 or whole % part or whole == part or start % part:
-        return 0
-    return whole // part
+    key = [k for k in node.params["key"] if k is not None]
+    return part_of(key[cur.dim], node.inputs[0].shape[cur.dim]) if cur.dim < len(key) else 0
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -261,15 +261,7 @@ def _my_blocks(t, rank):
     writer = (all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
               and all(outside[d] == 0 for d in range(root.ndim) if d not in dims))
     local = t._loc()
-    return [(local[sl], off) for sl, off, _ in _pieces(t)], writer
-
-
-def _pieces(t):
-    """This rank's block of DTensor ``t`` as rectangles: [(local slices, offsets, shape)]."""
-    from dtensor.redistribute import local_pieces
-    spec = t._spec
-    return local_pieces(spec.shape, spec.placements, spec.mesh.shape,
-                        spec.mesh.get_coordinate())
+    return [(local[sl], off) for sl, off, _ in t._spec.local_pieces()], writer
 
 
 def save(state_dict, path) -> str:
@@ -529,7 +521,7 @@ def _read_latest(root: Path) -> str:
 def _target_pieces(t):
     """(local shape, [(local slices, global offsets, shape)]) of the block ``t`` holds here."""
     if _is_dtensor(t):
-        return tuple(t._spec.local_shape_and_offset()[0]), _pieces(t)
+        return tuple(t._spec.local_shape_and_offset()[0]), t._spec.local_pieces()
     shape = tuple(t.shape)
     return shape, [(tuple(slice(0, n) for n in shape), (0,) * t.ndim, shape)]
 

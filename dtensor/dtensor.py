@@ -24,7 +24,8 @@ from dtensor.mesh import DeviceMesh
 from dtensor.ops import registry, structural
 from dtensor.ops.registry import Aval, Op
 from dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard, as_placements
-from dtensor.redistribute import local_indices, local_shape_and_offset, redistribute_local
+from dtensor.redistribute import (index_runs, local_indices, local_pieces,
+                                  local_shape_and_offset, redistribute_local)
 from dtensor.sharding import propagate
 from dtensor.tensor import (Tensor, TensorMethods, _shape_arg, fill_value, float_dtype,
                             resolve_dtype)
@@ -53,6 +54,11 @@ class DTensorSpec:
 
     def local_shape_and_offset(self):
         return _local_block(self)
+
+    def local_pieces(self) -> list:
+        """This rank's block as rectangles: [(local slices, global offsets, shape)]."""
+        return local_pieces(self.shape, self.placements, self.mesh.shape,
+                            self.mesh.get_coordinate())
 
 
 _BLOCKS: dict = {}
@@ -712,12 +718,9 @@ def visualize_sharding(dt: DTensor, header: str = "") -> str:
     spec = dt._spec
     blocks: dict = {}
     for coord in np.ndindex(*mesh.shape):
-        held = local_indices(spec.shape, spec.placements, mesh.shape, list(coord))
-        # a strided dim's block is several ranges: each part's piece, joined by "+"
-        rng = tuple(((i.start, i.stop),) if isinstance(i, slice) else
-                    tuple((int(r[0]), int(r[-1]) + 1)
-                          for r in np.split(i, np.flatnonzero(np.diff(i) != 1) + 1) if r.size)
-                    for i in held)
+        # a strided dim's block is several ranges (each part's piece), drawn joined by "+"
+        rng = tuple(tuple((g, g + n) for _, g, n in index_runs(i))
+                    for i in local_indices(spec.shape, spec.placements, mesh.shape, list(coord)))
         blocks.setdefault(rng, []).append(int(mesh.mesh[coord]))
     lines = [header] if header else []
     lines.append(f"{tuple(dt.shape)} {list(dt.placements)} on {mesh}")

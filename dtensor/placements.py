@@ -11,7 +11,7 @@ import numpy as np
 from dtensor.validate import as_int
 
 __all__ = ["Placement", "Shard", "StridedShard", "Replicate", "Partial", "shard_size_and_offset",
-           "strided_indices", "as_placements"]
+           "strided_indices", "check_strided_alone", "as_placements"]
 
 
 class Placement:
@@ -157,17 +157,26 @@ def as_placements(placements, mesh, shape: Sequence[int]) -> tuple[Placement, ..
                 p = Shard(p.dim % ndim) if isinstance(p, Shard) else StridedShard(p.dim % ndim,
                                                                                  p.parts)
         out.append(p)
-    for m, p in enumerate(out):
-        if isinstance(p, StridedShard):
-            if shape[p.dim] % p.parts:
-                raise ValueError(f"{p} cuts tensor dim {p.dim} of size {shape[p.dim]} into "
-                                 f"{p.parts} equal parts, but {shape[p.dim]} does not divide by "
-                                 f"{p.parts} (tensor shape {tuple(shape)}); give a parts count "
-                                 f"that divides it, or use Shard({p.dim}).")
-            others = [q for k, q in enumerate(out) if k != m and getattr(q, "dim", None) == p.dim]
-            if others:
-                raise NotImplementedError(
-                    f"{p} shares tensor dim {p.dim} with {others[0]} on another mesh dim "
-                    f"(placements {list(out)}); a strided dim is split by one mesh dim only. "
-                    f"Shard another tensor dim on the other mesh dim, or Replicate there.")
+    for p in out:
+        if isinstance(p, StridedShard) and shape[p.dim] % p.parts:
+            raise ValueError(f"{p} cuts tensor dim {p.dim} of size {shape[p.dim]} into "
+                             f"{p.parts} equal parts, but {shape[p.dim]} does not divide by "
+                             f"{p.parts} (tensor shape {tuple(shape)}); give a parts count that "
+                             f"divides it, or use Shard({p.dim}).")
+    check_strided_alone(out)
     return tuple(out)
+
+
+def check_strided_alone(placements) -> None:
+    """A StridedShard's dim is split by its mesh dim only (a strided piece of a shard, or a
+    shard of strided pieces, is no layout the transitions know)."""
+    for m, p in enumerate(placements):
+        if not isinstance(p, StridedShard):
+            continue
+        others = [q for k, q in enumerate(placements)
+                  if k != m and isinstance(q, (Shard, StridedShard)) and q.dim == p.dim]
+        if others:
+            raise NotImplementedError(
+                f"{p} shares tensor dim {p.dim} with {others[0]} on another mesh dim "
+                f"(placements {list(placements)}); a strided dim is split by one mesh dim only. "
+                f"Shard another tensor dim on the other mesh dim, or Replicate there.")

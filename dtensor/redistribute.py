@@ -23,10 +23,10 @@ import numpy as np
 
 from dtensor.ops import registry
 from dtensor.placements import (Partial, Placement, Replicate, Shard, StridedShard,
-                                shard_size_and_offset, strided_indices)
+                                check_strided_alone, shard_size_and_offset, strided_indices)
 
-__all__ = ["redistribute_local", "local_shape_and_offset", "local_indices", "local_pieces",
-           "transition_cost", "dim_extent"]
+__all__ = ["redistribute_local", "local_shape_and_offset", "local_indices", "index_runs",
+           "local_pieces", "transition_cost", "dim_extent"]
 
 
 def dim_extent(shape, placements, mesh_shape, coord, d: int, upto: int) -> int:
@@ -43,6 +43,8 @@ def local_shape_and_offset(shape, placements, mesh_shape, coord):
     """This rank's block of a global ``shape``: (local shape, global offset per dim).
 
     A StridedShard dim's block is not one range: its offset is None (see local_indices)."""
+    if any(isinstance(p, StridedShard) for p in placements):
+        check_strided_alone(placements)
     size, off = list(shape), [0] * len(shape)
     for m, p in enumerate(placements):
         if isinstance(p, Shard):
@@ -65,19 +67,21 @@ def local_indices(shape, placements, mesh_shape, coord) -> list:
     return out
 
 
+def index_runs(idx) -> list:
+    """One dim of local_indices as runs of consecutive indices: [(local start, global start,
+    length)]; an empty strided block has none."""
+    if isinstance(idx, slice):
+        return [(0, idx.start, idx.stop - idx.start)]
+    cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts, ends = np.concatenate([[0], cuts]), np.concatenate([cuts, [idx.size]])
+    return [(int(a), int(idx[a]), int(b - a)) for a, b in zip(starts, ends) if b > a]
+
+
 def local_pieces(shape, placements, mesh_shape, coord) -> list:
     """This rank's block as rectangles of the global tensor: [(local slices, global offsets,
     shape)]. One rectangle, unless a StridedShard dim holds one run per part."""
-    runs = []  # per dim: [(local start, global start, length)]
-    for idx in local_indices(shape, placements, mesh_shape, coord):
-        if isinstance(idx, slice):
-            runs.append([(0, idx.start, idx.stop - idx.start)])
-            continue
-        cuts = np.flatnonzero(np.diff(idx) != 1) + 1
-        starts = np.concatenate([[0], cuts]).astype(int)
-        ends = np.concatenate([cuts, [idx.size]]).astype(int)
-        runs.append([(int(a), int(idx[a]), int(b - a)) for a, b in zip(starts, ends) if b > a]
-                    or [(0, 0, 0)])
+    runs = [index_runs(idx) or [(0, 0, 0)]
+            for idx in local_indices(shape, placements, mesh_shape, coord)]
     out = []
     for combo in itertools.product(*runs):
         out.append((tuple(slice(a, a + n) for a, _, n in combo), tuple(o for _, o, _ in combo),

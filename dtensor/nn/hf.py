@@ -231,10 +231,7 @@ def _block(p):
     if not hasattr(p, "_spec"):
         shape = tuple(p.shape)
         return shape, [(tuple(slice(0, n) for n in shape), (0,) * len(shape), shape)]
-    from dtensor.redistribute import local_pieces
-    spec = p._spec
-    return tuple(spec.local_shape_and_offset()[0]), local_pieces(
-        spec.shape, spec.placements, spec.mesh.shape, spec.mesh.get_coordinate())
+    return tuple(p._spec.local_shape_and_offset()[0]), p._spec.local_pieces()
 
 
 def _target(p, shape: tuple[int, ...]) -> np.ndarray:

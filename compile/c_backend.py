@@ -92,8 +92,15 @@ static inline T dt_clamp_S(T x, T lo, T hi) {  /* min(max(x, lo), hi): NaN stays
     return y > hi ? hi : y;
 }
 
-static inline T dt_erf_S(T x) {  /* erf_block: Numerical Recipes' erfc */
+static inline T dt_erf_S(T x) {  /* erf_block: Numerical Recipes' erfc, a series below 1/2 */
     T z = x < 0 ? -x : x;
+    if (z < 0.5F) {
+        T x2 = x * x, acc = 1.2055332981789664e-4F;  /* 2/sqrt(pi) (-1)^n / (n! (2n+1)) */
+        acc = acc * x2 - 8.548327023450852e-4F; acc = acc * x2 + 5.223977625442188e-3F;
+        acc = acc * x2 - 2.6866170645131252e-2F; acc = acc * x2 + 0.11283791670955126F;
+        acc = acc * x2 - 0.37612638903183754F; acc = acc * x2 + 1.1283791670955126F;
+        return acc * x;
+    }
     T t = 1.0F / (z * 0.5F + 1.0F);
     T p = t * 0.17087277F;
     p += -0.82215223F; p *= t; p += 1.48851587F; p *= t; p += -1.13520398F; p *= t;
@@ -118,10 +125,12 @@ static inline T dt_gelu_none_S(T x) {  /* _gelu_erf_block: relu(x) - |x| Q(|x|) 
     return (x > 0 ? x : 0.0F) - q;
 }
 
-static inline T dt_gelu_tanh_S(T x) {
+static inline T dt_gelu_tanh_S(T x) {  /* _gelu_tanh_block: x sigmoid(2 u) */
     T u = x * x * 0.044715F + 1.0F;
     u = u * x * 0.7978845608028654F;
-    return (dt_tanh_S(u) + 1.0F) * x * 0.5F;
+    T e = dt_exp_S((u < 0 ? u : -u) * 2.0F);
+    T r = 1.0F / (e + 1.0F);
+    return (u >= 0 ? r : e * r) * x;
 }
 
 static inline T dt_gelu_none_grad_S(T g, T x, T y) {
@@ -132,13 +141,14 @@ static inline T dt_gelu_none_grad_S(T g, T x, T y) {
     return (phi + e) * g;
 }
 
-static inline T dt_gelu_tanh_grad_S(T g, T x, T y) {
+static inline T dt_gelu_tanh_grad_S(T g, T x, T y) {  /* _gelu_tanh_grad_block */
     T x2 = x * x;
     T u = (x2 * 0.044715F + 1.0F) * x * 0.7978845608028654F;
-    T th = dt_tanh_S(u);
-    T du = (x2 * 0.134145F + 1.0F) * 0.7978845608028654F;  /* 3 * 0.044715, rounded once */
-    du = du * (1.0F - th * th) * x;
-    return ((th + 1.0F) + du) * 0.5F * g;
+    T e = dt_exp_S((u < 0 ? u : -u) * 2.0F);
+    T r = 1.0F / (e + 1.0F);
+    T du = (x2 * 0.134145F + 1.0F) * 1.5957691216057308F;  /* 3 c and 2 a, rounded once */
+    du = du * x * e * r * r;
+    return ((u >= 0 ? r : e * r) + du) * g;
 }
 
 /* Row reductions in 8 independent lanes, so the compiler vectorises them without

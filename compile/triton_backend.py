@@ -45,8 +45,20 @@ def sqrt(x):
 
 
 @triton.jit
-def tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+def tanh(x):  # (1 - e) / (1 + e), e = exp(-2|x|); below 0.3, where 1 - e cancels, the series
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    s = 21844.0 / 6081075.0
+    s = s * a2 - 1382.0 / 155925.0
+    s = s * a2 + 62.0 / 2835.0
+    s = s * a2 - 17.0 / 315.0
+    s = s * a2 + 2.0 / 15.0
+    s = s * a2 - 1.0 / 3.0
+    s = (s * a2 + 1.0) * a
+    r = tl.where(a < 0.3, s, big)
+    return tl.where(x < 0, -r, r)
 
 
 @triton.jit
@@ -103,13 +115,24 @@ def clamp(x, lo, hi):
 
 
 @triton.jit
-def gelu_none(x):
-    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+def gelu_none(x):  # _gelu_erf_block: relu(x) - |x| Q(|x|), no 1 + erf that cancels
+    a = tl.minimum(tl.abs(x), 64.0)
+    t = 1.0 / (a * 0.2316418882663604 + 1.0)
+    q = t * 0.5307027145
+    q = (q - 0.7265760135) * t
+    q = (q + 0.7107068705) * t
+    q = (q - 0.142248368) * t
+    q = (q + 0.127414796) * t
+    q = q * tl.exp(x * x * -0.5) * a
+    return tl.maximum(x, 0.0) - q
 
 
 @triton.jit
-def gelu_tanh(x):
-    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+def gelu_tanh(x):  # _gelu_tanh_block: x sigmoid(2 u), from e = exp(-2 |u|)
+    u = (x * x * 0.044715 + 1.0) * x * 0.7978845608028654
+    e = tl.exp(-2.0 * tl.abs(u))
+    r = 1.0 / (e + 1.0)
+    return tl.where(u >= 0, r, e * r) * x
 
 
 @triton.jit
@@ -121,11 +144,13 @@ def gelu_none_grad(g, x, y):  # Phi = y / x, its Taylor expansion near 0 (dtenso
 
 
 @triton.jit
-def gelu_tanh_grad(g, x, y):
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    t = tanh(u)
-    du = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
-    return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+def gelu_tanh_grad(g, x, y):  # _gelu_tanh_grad_block: s + x s (1 - s) 2 du/dx
+    x2 = x * x
+    u = (x2 * 0.044715 + 1.0) * x * 0.7978845608028654
+    e = tl.exp(-2.0 * tl.abs(u))
+    r = 1.0 / (e + 1.0)
+    du = (x2 * 0.134145 + 1.0) * 1.5957691216057308 * x * e * r * r
+    return (tl.where(u >= 0, r, e * r) + du) * g
 '''
 
 

@@ -35,6 +35,14 @@ _ERFC_COEFFS = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0
                 0.09678418, 0.37409196, 1.00002368, -1.26551223)
 
 
+# erf's Maclaurin series 2/sqrt(pi) sum (-1)^n x^(2n+1) / (n! (2n+1)) up to n = 6, for |x| <
+# 1/2: there 1 - erfc(|x|) would cancel (erfc's 1.2e-7 is absolute in erf: 1% of erf(1e-5)),
+# and the next term is under 1e-9 of the sum.
+_ERF_SMALL = 0.5
+_ERF_SERIES = tuple(_TWO_OVER_SQRT_PI * (-1) ** n / (math.factorial(n) * (2 * n + 1))
+                    for n in range(7))
+
+
 def erf_block(out, x):
     """erf(x) into ``out`` (may alias nothing of x); numpy has no erf of its own."""
     z = np.abs(x)
@@ -52,6 +60,14 @@ def erf_block(out, x):
     p *= t  # erfc(|x|)
     np.subtract(1.0, p, out=p)
     np.copysign(p, x, out=out)
+    small = np.flatnonzero(np.abs(x) < _ERF_SMALL)  # few in a block: fix up, not np.where
+    if small.size:
+        xs = x[small]
+        x2, acc = xs * xs, np.full_like(xs, _ERF_SERIES[-1])
+        for c in _ERF_SERIES[-2::-1]:
+            acc *= x2
+            acc += c
+        out[small] = acc * xs
 
 
 # Abramowitz & Stegun 7.1.26: erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z), |error| < 1.5e-7.
@@ -108,16 +124,31 @@ def _gelu_erf_block(out, x):
     out -= q
 
 
-def _gelu_tanh_block(out, x):
+# The tanh form as x s with s = (1 + tanh u) / 2 = sigmoid(2 u), from e = exp(-2 |u|): no
+# 1 + tanh u that cancels to 0 for negative x (float32 tanh(-9.97) is -1: GELU(-5.4) would be
+# 0 or 13 times too large), and s (1 - s) = e r^2 with r = 1 / (1 + e) for the gradient.
+
+
+def _gelu_tanh_parts(x):
+    """(u, e, r): u = a (x + c x^3), e = exp(-2 |u|), r = 1 / (1 + e)."""
     u = x * x
     u *= _TANH_C
     u += 1.0
     u *= x
     u *= _SQRT_2_OVER_PI
-    np.tanh(u, out=out)
-    out += 1.0
-    out *= x
-    out *= 0.5
+    e = np.abs(u)
+    e *= -2.0
+    np.exp(e, out=e)
+    r = e + 1.0
+    np.reciprocal(r, out=r)
+    return u, e, r
+
+
+def _gelu_tanh_block(out, x):
+    u, e, r = _gelu_tanh_parts(x)
+    e *= r  # sigmoid(-2 |u|)
+    np.copyto(e, r, where=u >= 0)
+    np.multiply(e, x, out=out)
 
 
 # The erf form's backward reads the forward's output y = x Phi(x): Phi = y / x costs one division
@@ -147,25 +178,20 @@ def _gelu_erf_grad_block(out, g, x, y):
 
 
 def _gelu_tanh_grad_block(out, g, x, y):
-    # y = x/2 (1 + tanh u), u = a (x + c x^3):
-    # dy/dx = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) a (1 + 3 c x^2). Recomputed from x: 1 - y/x
-    # would cancel where tanh u is near 1.
-    x2 = x * x
-    u = x2 * _TANH_C
-    u += 1.0
-    u *= x
-    u *= _SQRT_2_OVER_PI
-    th = np.tanh(u, out=u)
-    du = x2 * (3.0 * _TANH_C)
+    # y = x s, s = sigmoid(2 u), u = a (x + c x^3): dy/dx = s + x s (1 - s) 2 a (1 + 3 c x^2),
+    # recomputed from x (y / x would cancel where s is near 1).
+    u, e, r = _gelu_tanh_parts(x)
+    du = x * x
+    du *= 3.0 * _TANH_C
     du += 1.0
-    du *= _SQRT_2_OVER_PI
-    sech2 = th * th
-    np.subtract(1.0, sech2, out=sech2)
-    du *= sech2
+    du *= 2.0 * _SQRT_2_OVER_PI
     du *= x
-    np.add(th, 1.0, out=out)
-    out += du
-    out *= 0.5
+    du *= e
+    du *= r
+    du *= r  # x s (1 - s) 2 du/dx
+    e *= r
+    np.copyto(e, r, where=u >= 0)  # s
+    np.add(e, du, out=out)
     out *= g
 
 

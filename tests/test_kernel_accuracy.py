@@ -12,7 +12,9 @@ function is (exp, GELU's tails, erf near 0) and lets argument reduction show (si
 never lets a 0 stand for -7.7e-23 (GELU at -10) or 1.0014e-5 for 1e-5 (tanh). The ops that are
 one IEEE operation (add, mul, sqrt, ...) must agree bit for bit. k: 4 for one transcendental
 call (the C backend's vectorised exp is within 3 ulp), 8 for the compound formulas (GELU and its
-gradients, sigmoid), each further rounding adding under an ulp.
+gradients, sigmoid), each further rounding adding under an ulp. Plus the rounding model's
+underflow term, the smallest normal float32 (1.2e-38): the C backend flushes results below it
+to 0, where numpy keeps subnormals.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import dtensor
 from dtensor.ops import OPS, apply
 
 EPS = 2.0 ** -24
+TINY = float(np.finfo(np.float32).tiny)
 BACKENDS = ["numpy", "c", "triton"]
 _X = np.concatenate([np.linspace(-10, 10, 2001), [1e-5, -1e-5, 1e-3, -1e-3, 0.0]]).astype(
     np.float32)
@@ -115,7 +118,7 @@ def _bound(ref, args, k):
         up, down = list(a64), list(a64)
         up[i], down[i] = a + h, a - h
         total = total + np.abs(a * (ref(*up) - ref(*down)) / (2 * h))
-    return k * EPS * total
+    return k * EPS * total + TINY
 
 
 _C_LEAVES = {"cast", "eq", "ne", "lt", "le", "gt", "ge", "logical_not"}
@@ -169,3 +172,133 @@ def test_eager_is_within_the_bound_of_float64(case):
     bad = np.flatnonzero(~(err <= bound))
     assert bad.size == 0, [(float(args[0].flat[i]), float(got.flat[i]), float(want.flat[i]),
                             float(bound.flat[i])) for i in bad[:5]]
+
+
+# ----------------------------------------------------------------------------- row kernels
+# Rows of 67 (a lane tail) with a large spread: N(0, 1) x 30 for the softmax family (one entry
+# dominates, the others underflow to tiny probabilities), 1000 + N(0, 1) for the normalization
+# (mean subtraction against the offset). Bounds, for two implementations that each round every
+# operation and sum n terms in any order (gamma_n = n eps):
+#   softmax        y_i eps (k + |x_i - m| + n)          exp's argument, the sum, the division
+#   log_softmax    eps (k + |x_i - m| + |log S| + n)
+#   normalize      eps (k + n max|x| / sigma) (|y_i| + 1)   the mean's rounding against sigma
+#   cross-entropy  eps (k + |m| + |log S| + |x_t| + n)
+# backward ops add the row sum of |g| y (or |g|) the same way. Doubled: both sides round.
+
+_N = 67
+
+
+def _rows(scale, offset=0.0, seed=3):
+    r = np.random.default_rng(seed)
+    return (offset + scale * r.standard_normal((6, _N))).astype(np.float32)
+
+
+def _soft(x):
+    m = x.max(-1, keepdims=True)
+    s = np.exp(x - m).sum(-1, keepdims=True)
+    return m, s
+
+
+def _softmax_bound(x, g=None):
+    x = x.astype(np.float64)
+    m, s = _soft(x)
+    y = np.exp(x - m) / s
+    b = y * (4 + np.abs(x - m) + _N)
+    if g is not None:
+        b = b * (np.abs(g) + 1) + y * _N * (np.abs(g) * y).sum(-1, keepdims=True)
+    return 2 * EPS * b
+
+
+def _log_softmax_bound(x, g=None):
+    x = x.astype(np.float64)
+    m, s = _soft(x)
+    b = 4 + np.abs(x - m) + np.abs(np.log(s)) + _N
+    if g is not None:
+        b = b * np.abs(g).sum(-1, keepdims=True)
+    return 2 * EPS * b
+
+
+def _normalize_bound(x, g=None):
+    x = x.astype(np.float64)
+    sigma = x.std(-1, keepdims=True)
+    y = (x - x.mean(-1, keepdims=True)) / sigma
+    b = (4 + _N * np.abs(x).max(-1, keepdims=True) / sigma) * (np.abs(y) + 1)
+    if g is not None:
+        b = b * (np.abs(g) + np.abs(g).sum(-1, keepdims=True)) / sigma
+    return 2 * EPS * b
+
+
+def _ce_bound(x, t, g=None):
+    x = x.astype(np.float64)
+    m, s = _soft(x)
+    xt = np.take_along_axis(x, t[:, None], -1)
+    b = (4 + np.abs(m) + np.abs(np.log(s)) + np.abs(xt) + _N)[:, 0]
+    if g is not None:  # the gradient: g (softmax - onehot)
+        return np.abs(g)[:, None] * _softmax_bound(x) + 2 * EPS * np.abs(g)[:, None]
+    return 2 * EPS * b
+
+
+_T = np.random.default_rng(5).integers(0, _N, 6)
+_G = np.random.default_rng(6).standard_normal((6, _N)).astype(np.float32)
+_GROW = np.random.default_rng(7).standard_normal(6).astype(np.float32)
+ROWS = {  # id: (op, params, inputs, bound(inputs))
+    "softmax": ("softmax", {"causal": False}, lambda: [_rows(30)],
+                lambda x: _softmax_bound(x)),
+    "softmax_backward": ("softmax_backward", {}, lambda: [_G, _softmax_of(_rows(30))],
+                         lambda g, y: _softmax_bound(_rows(30), g)),
+    "log_softmax": ("log_softmax", {}, lambda: [_rows(30)], lambda x: _log_softmax_bound(x)),
+    "log_softmax_backward": ("log_softmax_backward", {}, lambda: [_G, _logp_of(_rows(30))],
+                             lambda g, lp: _log_softmax_bound(_rows(30), g)),
+    "normalize": ("normalize", {"eps": 1e-5}, lambda: [_rows(1.0, 1000.0)],
+                  lambda x: _normalize_bound(x)),
+    "normalize_backward": ("normalize_backward", {"eps": 1e-5},
+                           lambda: [_G, _rows(1.0, 1000.0)],
+                           lambda g, x: _normalize_bound(x, g)),
+    "softmax_cross_entropy": ("softmax_cross_entropy", {}, lambda: [_rows(30), _T],
+                              lambda x, t: _ce_bound(x, t)),
+    "softmax_cross_entropy_backward": ("softmax_cross_entropy_backward", {},
+                                       lambda: [_GROW, _rows(30), _T],
+                                       lambda g, x, t: _ce_bound(x, t, g)),
+}
+
+
+def _softmax_of(x):
+    x = x.astype(np.float64)
+    m, s = _soft(x)
+    return (np.exp(x - m) / s).astype(np.float32)
+
+
+def _logp_of(x):
+    x = x.astype(np.float64)
+    m, s = _soft(x)
+    return (x - m - np.log(s)).astype(np.float32)
+
+
+def test_every_row_kernel_has_a_case():
+    rows = {name for name, op in OPS.items() if op.lower and op.lower.startswith("rowwise:")}
+    assert rows == {c[0] for c in ROWS.values()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(ROWS))
+def test_compiled_row_kernel_equals_eager_to_float32_rounding(case, backend):
+    name, params, make, bound_of = ROWS[case]
+    op, args = OPS[name], make()
+
+    def f(*xs):
+        return (apply(op, *xs, **params),)
+
+    def wrap(a):
+        return dtensor.Tensor(a) if a.dtype.kind == "f" else a
+
+    want = f(*map(wrap, args))[0].numpy()
+    compiled = dtensor.compile(f, backend=backend)
+    got = compiled(*map(wrap, args))[0].numpy()
+    if backend != "numpy":
+        assert any(n.kind == backend for n in compiled.last.graph.nodes), "no kernel generated"
+    with np.errstate(all="ignore"):
+        bound = np.broadcast_to(bound_of(*args), want.shape) + TINY
+        err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bad = np.flatnonzero(~(err <= bound))
+    assert bad.size == 0, [(float(got.flat[i]), float(want.flat[i]), float(bound.flat[i]))
+                           for i in bad[:5]]

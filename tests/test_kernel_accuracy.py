@@ -32,7 +32,12 @@ BACKENDS = ["numpy", "c", "triton"]
 _X = np.concatenate([np.linspace(-10, 10, 2001), [1e-5, -1e-5, 1e-3, -1e-3, 0.0]]).astype(
     np.float32)
 _POS = np.logspace(-6, 4, _X.size).astype(np.float32)
-_RNG = np.random.default_rng(0)
+
+
+def _rng():  # a fresh stream per case: inputs do not depend on which tests run first
+    return np.random.default_rng(0)
+
+
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 _erfc = np.vectorize(math.erfc, otypes=[np.float64])
 _A, _C = math.sqrt(2 / math.pi), 0.044715
@@ -54,7 +59,7 @@ def _pdf(x):
 
 
 def _pair():
-    return [_X, _RNG.permutation(_X)]
+    return [_X, _rng().permutation(_X)]
 
 
 # id: (op, params, float64 reference, inputs, k in eps; 0 = bit for bit)
@@ -62,7 +67,7 @@ CASES = {
     "add": ("add", {}, np.add, _pair, 0),
     "sub": ("sub", {}, np.subtract, _pair, 0),
     "mul": ("mul", {}, np.multiply, _pair, 0),
-    "div": ("div", {}, np.divide, lambda: [_X, _RNG.permutation(_POS)], 0),
+    "div": ("div", {}, np.divide, lambda: [_X, _rng().permutation(_POS)], 0),
     "maximum": ("maximum", {}, np.maximum, _pair, 0),
     "neg": ("neg", {}, np.negative, lambda: [_X], 0),
     "abs": ("abs", {}, np.abs, lambda: [_X], 0),
@@ -79,8 +84,8 @@ CASES = {
     "cos": ("cos", {}, np.cos, lambda: [_X], 4),
     "tanh": ("tanh", {}, np.tanh, lambda: [_X], 4),
     "erf": ("erf", {}, _erf, lambda: [_X], 4),
-    "pow": ("pow", {}, np.power, lambda: [_RNG.permutation(_POS),
-                                           _RNG.uniform(-3, 3, _X.size).astype(np.float32)], 4),
+    "pow": ("pow", {}, np.power, lambda: [_rng().permutation(_POS),
+                                           _rng().uniform(-3, 3, _X.size).astype(np.float32)], 4),
     "sigmoid": ("sigmoid", {}, lambda x: 1 / (1 + np.exp(-x)), lambda: [_X], 8),
     "gelu": ("gelu", {"approximate": "none"}, lambda x: 0.5 * x * _erfc(-x / math.sqrt(2)),
              lambda: [_X], 8),
@@ -89,11 +94,11 @@ CASES = {
     "gelu_backward": (
         "gelu_backward", {"approximate": "none"},
         lambda g, x, y: g * (0.5 * _erfc(-x / math.sqrt(2)) + x * _pdf(x)),
-        lambda: [_RNG.standard_normal(_X.size).astype(np.float32), _X,
+        lambda: [_rng().standard_normal(_X.size).astype(np.float32), _X,
                  (0.5 * _X * _erfc(-_X / math.sqrt(2))).astype(np.float32)], 8),
     "gelu_tanh_backward": (
         "gelu_backward", {"approximate": "tanh"}, lambda g, x, y: g * _gelu_tanh_grad64(x),
-        lambda: [_RNG.standard_normal(_X.size).astype(np.float32), _X,
+        lambda: [_rng().standard_normal(_X.size).astype(np.float32), _X,
                  _gelu_tanh64(_X.astype(np.float64)).astype(np.float32)], 8),
 }
 

@@ -520,10 +520,8 @@ def _read_latest(root: Path) -> str:
 
 def _target_pieces(t):
     """(local shape, [(local slices, global offsets, shape)]) of the block ``t`` holds here."""
-    if _is_dtensor(t):
-        return tuple(t._spec.local_shape_and_offset()[0]), t._spec.local_pieces()
-    shape = tuple(t.shape)
-    return shape, [(tuple(slice(0, n) for n in shape), (0,) * t.ndim, shape)]
+    from dtensor.dtensor import held_pieces
+    return held_pieces(t)
 
 
 def load(state_dict, path, *, strict: bool = True) -> None:

@@ -634,6 +634,16 @@ def _factory_spec(shape, dtype, device_mesh, placements):
                        np.dtype(np.float32) if dtype is None else resolve_dtype(dtype))
 
 
+def held_pieces(t):
+    """(local shape, [(local slices, global offsets, shape)]) of what tensor ``t`` holds on this
+    rank: a plain tensor is one rectangle, a DTensor its spec's (one per part of a strided dim).
+    """
+    if isinstance(t, DTensor):
+        return tuple(_local_block(t._spec)[0]), t._spec.local_pieces()
+    shape = tuple(t.shape)
+    return shape, [(tuple(slice(0, n) for n in shape), (0,) * len(shape), shape)]
+
+
 def _template(spec: DTensorSpec) -> DTensor:
     """A data-free DTensor with ``spec``: the shape/placement argument of random factories."""
     return DTensor._make(np.broadcast_to(np.empty((), np.bool_), _local_block(spec)[0]),

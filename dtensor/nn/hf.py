@@ -225,15 +225,6 @@ def _bf16_rows(entry: _Entry, name: str, rows: slice, rest: tuple, header) -> np
 
 # ----------------------------------------------------------------------------- load
 
-def _block(p):
-    """(local shape, [(local slices, global offsets, shape)]) of this rank's block of ``p``: one
-    rectangle, or one per part of a StridedShard dim."""
-    if not hasattr(p, "_spec"):
-        shape = tuple(p.shape)
-        return shape, [(tuple(slice(0, n) for n in shape), (0,) * len(shape), shape)]
-    return tuple(p._spec.local_shape_and_offset()[0]), p._spec.local_pieces()
-
-
 def _target(p, shape: tuple[int, ...]) -> np.ndarray:
     """The array the block goes into: the parameter's own, or a new one where that is a
     read-only placeholder (or not a plain contiguous array of its dtype)."""
@@ -350,10 +341,11 @@ def load_safetensors(module, folder, name_map=None, *, strict: bool = True):
 
 
 def _read(plan: dict, where: dict[str, _Entry]) -> None:
+    from dtensor.dtensor import held_pieces
     headers: dict[Path, tuple[int, dict]] = {}
     for name, p in plan.items():
         entry = where[name]
-        local_shape, pieces = _block(p)
+        local_shape, pieces = held_pieces(p)
         out = _target(p, local_shape)
         if entry.dtype == "BF16" and entry.path not in headers:
             headers[entry.path] = _raw_header(entry.path)

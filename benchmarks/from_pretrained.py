@@ -2,12 +2,12 @@
 
 Writes a Hugging Face folder (config.json + model.safetensors, --size-mb of float32 weights, a
 Llama shape), then loads it in a fresh process (``python this --load``) and under ``dtlaunch
---nproc 4`` (``Llama.from_pretrained(folder, device_mesh=mesh)``: each rank reads only its blocks
-of the sharded weights and the whole replicated ones, the norms). Each loading rank reports its
-peak RSS (ru_maxrss) minus its RSS once everything is imported and the mesh exists, and the bytes
-its parameters hold. The checkpoint is written by a process of its own: Linux keeps ru_maxrss
-across exec, so a loader started by the writer would inherit the writer's peak. Prints one JSON
-line per run:
+--nproc 4`` (``dtensor.parallel.from_pretrained(Llama, folder, mesh)``: each rank reads only
+its blocks of the sharded weights and the whole replicated ones, the norms). Each loading rank
+reports its peak RSS (ru_maxrss) minus its RSS once everything is imported and the mesh exists,
+and the bytes its parameters hold. The checkpoint is written by a process of its own: Linux
+keeps ru_maxrss across exec, so a loader started by the writer would inherit the writer's peak.
+Prints one JSON line per run:
 
     {"bench": "from_pretrained", "ranks": n, "peak_mb": ..., "ratio_to_one_process": ...,
      "params_mb": ..., "load_s": ...}
@@ -63,6 +63,7 @@ def rss_kib() -> int:
 def load(folder: str, out: str) -> None:
     """One loading rank: the measure, written to ``out``/rank<r>.json."""
     import dtensor
+    import dtensor.parallel  # imported before the baseline: the load alone is measured
     from dtensor.distributed import get_rank, get_world_size
     from dtensor.nn import Llama
     world = get_world_size()
@@ -73,7 +74,8 @@ def load(folder: str, out: str) -> None:
                            "across exec): its peak would not measure the load; run it from a "
                            "small process.")
     t0 = time.perf_counter()
-    model = Llama.from_pretrained(folder, device_mesh=mesh)
+    model = (Llama.from_pretrained(folder) if mesh is None else
+             dtensor.parallel.from_pretrained(Llama, folder, mesh))
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base  # KiB on Linux
     held = sum((p._loc() if hasattr(p, "_spec") else p.data).nbytes for p in model.parameters())

@@ -10,7 +10,7 @@ Prints JSON lines on rank 0:
   ``nn.init.empty_parameters()`` (no weights drawn: planning reads shapes only). Each plan
   traces one forward at the batch's shapes and grows every chain.
 * ``bytes_vs_megatron``: one forward and backward of a small GPT and Llama (4 layers, 256
-  wide) laid out by the found plan and by the hand plan (``gpt_plan``, ``Llama.tp_plan``),
+  wide) laid out by the found plan and by the hand plan (``gpt_plan``, ``llama_tp_plan``),
   with sequence parallelism off and on: the collectives each issued (the debug counter), their
   ratio, and whether the plan's own price equals what it issued. For the fused GPT the hand
   plan is ``gpt_plan`` on the unfused GPT: the same sizes, so the same bytes are the bar.
@@ -33,7 +33,7 @@ import dtensor.distributed
 from dtensor.comm import count_collectives
 import dtensor.nn.functional as F
 from dtensor.nn import GPT, GPTConfig, Linear, Llama, LlamaConfig, Module, init
-from dtensor.parallel import gpt_plan, plan
+from dtensor.parallel import gpt_plan, llama_tp_plan, plan
 from dtensor.parallel.api import _parallelize
 
 
@@ -127,7 +127,7 @@ def main() -> None:
             dtensor.manual_seed(0)
             model = _small("gpt" if kind == "gpt_fused_qkv" else kind)
             n = mesh.size(mesh.ndim - 1)
-            styles = (model.tp_plan(n, sequence_parallel=sp, loss_parallel=True)
+            styles = (llama_tp_plan(model, n, sequence_parallel=sp, loss_parallel=True)
                       if kind == "llama" else gpt_plan(sp, True))
             hand = _step(_parallelize(model, mesh, styles, 0 if mesh.ndim == 2 else None,
                                       mesh.ndim - 1, sequence_parallel=sp, loss_parallel=True,

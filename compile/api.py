@@ -6,7 +6,7 @@ and optimizer state become graph inputs and outputs, updated in place after each
 eager updates them. The pipeline (DTENSOR_DEBUG=2 prints the graph after each step, =3 the
 generated code, on rank 0):
 
-    trace (compile/trace.py) -> dce -> cse -> bucket_all_reduces -> fuse_pointwise -> fuse_adamw
+    trace (dtensor/tracer.py) -> dce -> cse -> bucket_all_reduces -> fuse_pointwise -> fuse_adamw
     -> [C or Triton kernels for fused groups and row-wise ops] -> plan_memory -> numpy codegen
 
 Example:
@@ -28,7 +28,7 @@ import warnings
 import numpy as np
 
 from dtensor.compile import guards, numpy_backend, passes
-from dtensor.compile.trace import Traced, Tracer, TracingError
+from dtensor.tracer import Traced, Tracer, TracingError
 
 __all__ = ["compile", "Compiled", "TracingError", "RecompileWarning"]
 
@@ -356,7 +356,7 @@ def _patched_slots(tracer: Tracer):
     def scalars(make):
         values = make()  # the step count advances at trace time too (restored after)
         i = tracer.slot("scalars", make).index
-        from dtensor.compile.graph import Slot
+        from dtensor.graph import Slot
         return {k: Slot(i, k) for k in values}
 
     random.next_key = next_key

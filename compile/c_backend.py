@@ -32,7 +32,7 @@ import threading
 import numpy as np
 
 from dtensor.compile import cache
-from dtensor.compile.graph import Graph, Node
+from dtensor.graph import Graph, Node
 
 __all__ = ["lower_graph", "num_threads", "CompilerNotFound"]
 

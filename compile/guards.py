@@ -41,7 +41,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from dtensor.compile.trace import _OWN_DIRS
+from dtensor.errors import OWN_DIRS
 from dtensor.nn.module import Module
 from dtensor.optim import Optimizer
 from dtensor.tensor import TensorMethods
@@ -56,7 +56,7 @@ _SCALARS = frozenset((type(None), bool, int, float, complex, str, bytes))
 _CONTAINERS = frozenset((tuple, list, dict, OrderedDict))
 _LIBRARY_DIRS = tuple(os.path.abspath(p) + os.sep for p in {
     sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
-_NOT_USER = _OWN_DIRS + _LIBRARY_DIRS
+_NOT_USER = OWN_DIRS + _LIBRARY_DIRS
 # Names through which code reads a module's globals by a computed name: ``globals()["G"]``,
 # ``vars(m)``, ``m.__dict__``, ``getattr(m, "G" + "A")``.
 _OWN_GLOBALS_BY_NAME = frozenset(("globals", "vars", "eval", "exec", "locals"))

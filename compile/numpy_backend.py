@@ -17,7 +17,7 @@ import types
 import numpy as np
 
 from dtensor.compile import cache
-from dtensor.compile.graph import KERNEL_KINDS, Graph, Node, Slot
+from dtensor.graph import KERNEL_KINDS, Graph, Node, Slot
 
 __all__ = ["generate", "load"]
 

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from dtensor.compile.graph import Graph, Node
+from dtensor.graph import Graph, Node
 from dtensor.compile.numpy_backend import import_source
 
 __all__ = ["lower_graph", "ensure_triton"]

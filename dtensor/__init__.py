@@ -41,10 +41,10 @@ _keep_freed_memory()
 from dtensor import ops  # noqa: F401  (registers every op before first use)
 from dtensor.autograd import enable_grad, is_grad_enabled, no_grad
 from dtensor.random import initial_seed, manual_seed
-from dtensor.tensor import (Tensor, arange, as_tensor, cat, full, ones, ones_like, rand, randn,
-                            tensor, where, zeros, zeros_like, matmul, stack, cos, sin, rsqrt,
-                            sigmoid, abs, clamp, argmax, cumsum, tril, triu, repeat_interleave,
-                            outer)
+from dtensor.tensor import (Tensor, arange, as_tensor, cat, ones_like, tensor, where, zeros_like,
+                            matmul, stack, cos, sin, rsqrt, sigmoid, abs, clamp, argmax, cumsum,
+                            tril, triu, repeat_interleave, outer)
+from dtensor.creation import full, ones, rand, randn, zeros
 from dtensor._einsum import einsum
 
 float16, float32, float64 = np.float16, np.float32, np.float64
@@ -71,8 +71,10 @@ _SUBMODULES = ("checkpoint", "comm", "compile", "distributed", "launcher", "para
 
 def __getattr__(name):
     # The distributed layer imports MPI lazily: single-process users never start it.
-    if name in ("DTensor", "distribute_tensor", "distribute_module", "implicit_replication",
-                "visualize_sharding"):
+    if name == "distribute_module":
+        from dtensor.parallel import api as _api
+        return _api.distribute_module
+    if name in ("DTensor", "distribute_tensor", "implicit_replication", "visualize_sharding"):
         from dtensor import dtensor as _dt
         return getattr(_dt, name)
     if name in _SUBMODULES:  # importing them starts no MPI: comm opens it on first use

@@ -31,8 +31,8 @@ from dtensor.tensor import (Tensor, TensorMethods, _shape_arg, fill_value, float
                             resolve_dtype)
 from dtensor.validate import as_bool
 
-__all__ = ["DTensor", "DTensorSpec", "distribute_tensor", "implicit_replication",
-           "distribute_module", "zeros", "ones", "full", "rand", "randn", "visualize_sharding"]
+__all__ = ["DTensor", "DTensorSpec", "distribute_tensor", "implicit_replication", "zeros", "ones",
+           "full", "rand", "randn", "visualize_sharding"]
 
 
 @dataclass(frozen=True)
@@ -693,30 +693,6 @@ def randn(*shape, dtype=None, device_mesh: DeviceMesh, placements, requires_grad
     out = _random_like(structural.randn, DTensor._make(None, spec), spec.dtype)
     out.requires_grad = as_bool(requires_grad, "requires_grad")
     return out
-
-
-def distribute_module(module, device_mesh: DeviceMesh, partition_fn=None, input_fn=None,
-                      output_fn=None):
-    """Distribute a module's parameters (torch semantics).
-
-    ``partition_fn(name, submodule, mesh)`` may replace parameters with DTensor parameters; by
-    default every parameter is replicated. ``input_fn(module, inputs, mesh)`` and
-    ``output_fn(module, outputs, mesh)`` become forward pre/post hooks.
-    """
-    from dtensor.nn.module import Parameter
-
-    for name, sub in module.named_modules():
-        if partition_fn is not None:
-            partition_fn(name, sub, device_mesh)
-        for pname, p in list(sub._parameters.items()):
-            if p is not None and not isinstance(p, DTensor):
-                sub._parameters[pname] = Parameter(distribute_tensor(
-                    p.detach(), device_mesh, [Replicate()] * device_mesh.ndim))
-    if input_fn is not None:
-        module.register_forward_pre_hook(lambda m, args: input_fn(m, args, device_mesh))
-    if output_fn is not None:
-        module.register_forward_hook(lambda m, args, out: output_fn(m, out, device_mesh))
-    return module
 
 
 def visualize_sharding(dt: DTensor, header: str = "") -> str:

@@ -19,6 +19,7 @@ from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import registry
 from dtensor.ops import structural as st
+from dtensor.errors import TracingError, user_line
 from dtensor.validate import as_bool, as_dim, as_int, as_real, as_shape
 
 __all__ = ["Tensor", "tensor", "as_tensor", "zeros", "ones", "full", "zeros_like", "ones_like",
@@ -326,8 +327,7 @@ class TensorMethods:
         return self
 
     def softmax(self, dim: int):
-        from dtensor.nn.functional import softmax  # nn builds on this module
-        return softmax(self, dim)
+        return over_last_dim(nnops.softmax, need_floating(self, "softmax"), dim, causal=False)
 
     def masked_fill(self, mask, value):
         _bool_mask(mask, "masked_fill")
@@ -539,10 +539,28 @@ class TensorMethods:
         return self
 
 
+def need_floating(x, op: str, what: str = "input"):
+    """Ops whose result is fractional (normalisation, exp, erf) need a floating input: numpy
+    would fail casting its float result back to an integer dtype."""
+    if np.dtype(x.dtype).kind != "f":
+        raise TypeError(f"{op}: {what} must be floating point, got dtype {x.dtype}; cast it "
+                        f"first (x.float()).")
+    return x
+
+
+def over_last_dim(op, x, dim, **params):
+    """Apply a last-dim op along ``dim`` by moving that dim last and back."""
+    dim = as_dim(dim, tuple(x.shape), op=op.name, ndim=max(x.ndim, 1))
+    if x.ndim == 0:  # a 0-d tensor is a row of one (softmax 1, log_softmax 0, as PyTorch)
+        return op(x.reshape(1), **params).reshape(())
+    if dim == x.ndim - 1:
+        return op(x, **params)
+    return op(x.transpose(dim, -1), **params).transpose(dim, -1)
+
+
 def _untraced_update(t) -> None:
     """A tensor dtensor.compile did not take as an input is being updated with a traced value:
     the update would be lost and the tensor left without data."""
-    from dtensor.compile.trace import TracingError, user_line
     raise TracingError(
         f"dtensor.compile: a tensor of shape {tuple(t.shape)} that the compiled function does "
         f"not reach as an input is updated at {user_line()}. Compile a function whose "
@@ -770,39 +788,22 @@ def _allocate(make, shape, dtype, op: str) -> np.ndarray:
                           f"machine can allocate; check the sizes.") from None
 
 
-def _distributed(name, *args, **kwargs):
-    """The DTensor version of a factory, when device_mesh= and placements= are given."""
-    from dtensor import dtensor as dt
-    if kwargs.get("device_mesh") is None or kwargs.get("placements") is None:
-        raise ValueError(f"{name}: pass both device_mesh= and placements= for a DTensor.")
-    return getattr(dt, name)(*args, **kwargs)
-
-
-def zeros(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
-    """Zeros; with ``device_mesh=`` and ``placements=``, a DTensor (each rank allocates its
-    block)."""
-    if device_mesh is not None or placements is not None:
-        return _distributed("zeros", *shape, dtype=dtype, requires_grad=requires_grad,
-                            device_mesh=device_mesh, placements=placements)
+def zeros(*shape, dtype=None, requires_grad: bool = False):
+    """Zeros of ``shape`` (float32 unless ``dtype``)."""
     shape, dtype = _shape_arg(shape), _factory_dtype(dtype)
     return Tensor(_allocate(lambda: np.zeros(shape, dtype), shape, dtype, "zeros"),
                   requires_grad)
 
 
-def ones(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
-    if device_mesh is not None or placements is not None:
-        return _distributed("ones", *shape, dtype=dtype, requires_grad=requires_grad,
-                            device_mesh=device_mesh, placements=placements)
+def ones(*shape, dtype=None, requires_grad: bool = False):
+    """Ones of ``shape`` (float32 unless ``dtype``)."""
     shape, dtype = _shape_arg(shape), _factory_dtype(dtype)
     return Tensor(_allocate(lambda: np.ones(shape, dtype), shape, dtype, "ones"),
                   requires_grad)
 
 
-def full(shape: Sequence[int], value, dtype=None, requires_grad: bool = False, device_mesh=None,
-         placements=None) -> Tensor:
-    if device_mesh is not None or placements is not None:
-        return _distributed("full", shape, value, dtype=dtype, requires_grad=requires_grad,
-                            device_mesh=device_mesh, placements=placements)
+def full(shape: Sequence[int], value, dtype=None, requires_grad: bool = False) -> Tensor:
+    """``value`` in every element of ``shape``."""
     shape, dtype, value = _shape_arg((shape,)), _factory_dtype(dtype), fill_value(value, "full")
     return Tensor(_allocate(lambda: np.full(shape, value, dtype), shape, dtype, "full"),
                   requires_grad)
@@ -845,29 +846,21 @@ def _template(shape) -> Tensor:
     return Tensor._wrap(np.broadcast_to(np.empty((), np.bool_), shape))
 
 
-def _random(op, shape, dtype, requires_grad, device_mesh, placements):
-    if device_mesh is not None or placements is not None:
-        return _distributed(op.name, *shape, dtype=dtype, requires_grad=requires_grad,
-                            device_mesh=device_mesh, placements=placements)
+def _random(op, shape, dtype, requires_grad):
     dtype = float_dtype(dtype, f"dtensor.{op.name}")
     out = op(_template(_shape_arg(shape)), key=random.next_key(), dtype=dtype)
     return out.requires_grad_() if as_bool(requires_grad, "requires_grad") else out
 
 
-def rand(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
+def rand(*shape, dtype=None, requires_grad: bool = False):
     """Uniform [0, 1) from the counter-based generator: element i depends only on (seed, call, i).
-
-    With ``device_mesh=`` and ``placements=`` a DTensor holding exactly the same numbers.
     """
-    return _random(st.rand, shape, dtype, requires_grad, device_mesh, placements)
+    return _random(st.rand, shape, dtype, requires_grad)
 
 
-def randn(*shape, dtype=None, requires_grad: bool = False, device_mesh=None, placements=None):
-    """Standard normal from the counter-based generator (Box-Muller over Philox, as Triton).
-
-    With ``device_mesh=`` and ``placements=`` a DTensor holding exactly the same numbers.
-    """
-    return _random(st.randn, shape, dtype, requires_grad, device_mesh, placements)
+def randn(*shape, dtype=None, requires_grad: bool = False):
+    """Standard normal from the counter-based generator (Box-Muller over Philox, as Triton)."""
+    return _random(st.randn, shape, dtype, requires_grad)
 
 
 def _tensor_list(tensors, op: str) -> list:

@@ -403,10 +403,12 @@ def evaluate(model, data: CharData, cfg: TrainConfig, batches: int = 4) -> float
 def build_model(cfg: TrainConfig, vocab_size: int, mesh):
     """The model the flags ask for, laid out over ``mesh`` (None: one process)."""
     from dtensor.nn import GPT, GPTConfig, Llama, LlamaConfig
-    from dtensor.parallel import parallelize
+    from dtensor.parallel import from_pretrained, parallelize
     if cfg.init_from:  # each rank reads only its own blocks of the folder's tensors
-        return Llama.from_pretrained(cfg.init_from, device_mesh=mesh,
-                                     sequence_parallel=cfg.sp, fsdp=cfg.fsdp)
+        if mesh is None:
+            return Llama.from_pretrained(cfg.init_from)
+        return from_pretrained(Llama, cfg.init_from, mesh, sequence_parallel=cfg.sp,
+                               fsdp=cfg.fsdp)
     if cfg.model == "llama":
         model = Llama(LlamaConfig(vocab_size=vocab_size, dim=cfg.n_embd, n_layers=cfg.n_layer,
                                   n_heads=cfg.n_head, n_kv_heads=kv_heads(cfg),

@@ -333,7 +333,7 @@ def test_a_sharded_broadcast_moves_nothing_and_dying_partials_reduce_in_place(ra
 def test_two_split_broadcasts_meeting_keep_the_shape():
     """Two split broadcasts added together: reading both (rows, 1) sources would shrink the add
     to (rows, 1), so one of them stays a full-shape broadcast_to view."""
-    from dtensor.compile.graph import Graph
+    from dtensor.graph import Graph
     from dtensor.compile.passes import shard_broadcasts
     from dtensor.dtensor import DTensorSpec
     from dtensor.placements import Replicate, Shard

@@ -166,7 +166,8 @@ def _layout(folder, layout):
     """The model of ``folder`` laid out as ``layout`` names it, and the forward's context."""
     from contextlib import ExitStack
 
-    from dtensor.parallel import fully_shard, loss_parallel, parallelize_module, replicate
+    from dtensor.parallel import (from_pretrained, fully_shard, llama_tp_plan, loss_parallel,
+                                  parallelize_module, replicate)
     world = dtensor.distributed.get_world_size()
     if layout == "one":
         return Llama.from_pretrained(folder), ExitStack
@@ -174,13 +175,12 @@ def _layout(folder, layout):
         shape = (world,) if layout == "tp" else (2, 2)
         mesh = dtensor.init_device_mesh("cpu", shape, mesh_dim_names=(
             ("tp",) if layout == "tp" else ("dp", "tp")))
-        return Llama.from_pretrained(folder, device_mesh=mesh,
-                                     sequence_parallel=layout.endswith("sp"),
-                                     fsdp=layout.endswith("fsdp")), ExitStack
+        return from_pretrained(Llama, folder, mesh, sequence_parallel=layout.endswith("sp"),
+                               fsdp=layout.endswith("fsdp")), ExitStack
     # the torchtitan way: a tp plan on mesh["tp"], then data parallelism on mesh["dp"]
     mesh = dtensor.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = Llama.from_pretrained(folder)
-    parallelize_module(model, mesh["tp"], model.tp_plan())
+    parallelize_module(model, mesh["tp"], llama_tp_plan(model))
     if layout == "dp2xtp2_fully_shard":
         for block in model.layers:
             fully_shard(block, mesh=mesh["dp"])
@@ -258,7 +258,7 @@ def _tp_traffic(comm, tmp_path, kind):
     loss."""
     from dtensor.comm import count_collectives
     folder, cfg = _shared_checkpoint(tmp_path, kind, comm)
-    model = Llama.from_pretrained(folder, device_mesh=dtensor.init_device_mesh(
+    model = dtensor.parallel.from_pretrained(Llama, folder, dtensor.init_device_mesh(
         "cpu", (comm.size,)))
     idx, tgt = _batches(cfg)[0]
     with count_collectives() as log:

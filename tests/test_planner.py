@@ -167,12 +167,12 @@ def _step_collectives(make, mesh, layout):
 
 
 def _hand_plan(model, mesh, sp, lp=True):
-    """The hand-written Megatron plan: gpt_plan, or the model's own tp_plan (Llama's)."""
-    from dtensor.parallel import gpt_plan
+    """The hand-written Megatron plan: gpt_plan, or llama_tp_plan for a Llama."""
+    from dtensor.parallel import gpt_plan, llama_tp_plan
     from dtensor.parallel.api import _parallelize
     n = mesh.size(mesh.ndim - 1)
-    styles = (model.tp_plan(n, sequence_parallel=sp, loss_parallel=lp)
-              if hasattr(model, "tp_plan") else gpt_plan(sp, lp))
+    styles = (llama_tp_plan(model, n, sequence_parallel=sp, loss_parallel=lp)
+              if isinstance(model, dtensor.nn.Llama) else gpt_plan(sp, lp))
     dp = 0 if mesh.ndim == 2 else None
     return _parallelize(model, mesh, styles, dp, mesh.ndim - 1, sequence_parallel=sp,
                         loss_parallel=lp, fsdp=False)

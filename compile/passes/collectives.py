@@ -6,7 +6,7 @@ import operator
 
 import numpy as np
 
-from dtensor.compile.graph import Graph, Node
+from dtensor.graph import Graph, Node
 from dtensor.placements import Partial, Replicate, Shard
 
 BUCKET_BYTES = 25 << 20  # as PyTorch DDP's default bucket cap

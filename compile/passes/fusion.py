@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtensor.compile.graph import Graph, Node, Slot
+from dtensor.graph import Graph, Node, Slot
 
 
 def pointwise_op(n: Node):

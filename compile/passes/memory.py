@@ -11,7 +11,7 @@ import functools
 
 import numpy as np
 
-from dtensor.compile.graph import KERNEL_KINDS, Graph, Node
+from dtensor.graph import KERNEL_KINDS, Graph, Node
 
 # Ops whose result may share memory with their (first) input.
 VIEW_OPS = frozenset({"reshape", "permute", "getitem", "broadcast_to", "bucket_part", "wait",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dtensor.compile.graph import Graph, Node
+from dtensor.graph import Graph, Node
 
 
 def dce(graph: Graph) -> Graph:

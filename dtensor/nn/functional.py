@@ -16,8 +16,8 @@ from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
 from dtensor.placements import Shard
-from dtensor.tensor import TensorMethods, as_tensor
-from dtensor.validate import as_bool, as_dim, as_int, as_real, as_shape
+from dtensor.tensor import TensorMethods, as_tensor, need_floating, over_last_dim
+from dtensor.validate import as_bool, as_int, as_real, as_shape
 
 __all__ = ["relu", "gelu", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm", "dropout",
            "embedding", "linear", "cross_entropy", "scaled_dot_product_attention"]
@@ -47,13 +47,7 @@ def _same_dtype(op: str, **tensors) -> None:
 
 
 def _floating(x, op: str, what: str = "input"):
-    """Ops whose result is fractional (normalisation, exp, erf) need a floating input: numpy
-    would fail casting its float result back to an integer dtype."""
-    x = _input(x, op, what)
-    if np.dtype(x.dtype).kind != "f":
-        raise TypeError(f"{op}: {what} must be floating point, got dtype {x.dtype}; cast it "
-                        f"first (x.float()).")
-    return x
+    return need_floating(_input(x, op, what), op, what)
 
 
 def _eps(eps, op: str) -> float:
@@ -86,22 +80,12 @@ def silu(x):
     return x * x.sigmoid()
 
 
-def _over_last_dim(op, x, dim, **params):
-    """Apply a last-dim op along ``dim`` by moving that dim last and back."""
-    dim = as_dim(dim, tuple(x.shape), op=op.name, ndim=max(x.ndim, 1))
-    if x.ndim == 0:  # a 0-d tensor is a row of one (softmax 1, log_softmax 0, as PyTorch)
-        return op(x.reshape(1), **params).reshape(())
-    if dim == x.ndim - 1:
-        return op(x, **params)
-    return op(x.transpose(dim, -1), **params).transpose(dim, -1)
-
-
 def softmax(x, dim: int = -1):
-    return _over_last_dim(nnops.softmax, _floating(x, "softmax"), dim, causal=False)
+    return over_last_dim(nnops.softmax, _floating(x, "softmax"), dim, causal=False)
 
 
 def log_softmax(x, dim: int = -1):
-    return _over_last_dim(nnops.log_softmax, _floating(x, "log_softmax"), dim)
+    return over_last_dim(nnops.log_softmax, _floating(x, "log_softmax"), dim)
 
 
 def _check_norm_shape(x, normalized_shape, name):
@@ -241,13 +225,10 @@ def linear(x, weight, bias=None):
     return y.reshape(lead + (weight.shape[0],))
 
 
-def _vocab_parallel(logits) -> bool:
-    """Inside ``dtensor.parallel.loss_parallel()``, class-sharded DTensor logits take the
-    vocab-parallel path (no gather of the logits)."""
-    if not hasattr(logits, "placements"):
-        return False
-    from dtensor.parallel.loss import class_sharded, loss_parallel_enabled
-    return loss_parallel_enabled() and class_sharded(logits)
+# Composites whose computation an upper layer takes over for some inputs, filled by that layer
+# (PyTorch's seam for loss_parallel): "cross_entropy" -> handler(logits, target, ignore_index)
+# giving (per-token nll, valid mask), or None to leave the inputs to the code here.
+HANDLERS: dict = {}
 
 
 def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mean"):
@@ -277,11 +258,10 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
     _check_index(target, "cross_entropy", lambda values: st.check_rows(
         values, input.shape[-1], "cross_entropy: target", "classes", nnops.CE_FIX,
         ignore_index=ignore_index))
-    if _vocab_parallel(input):
-        from dtensor.parallel.loss import target_like, vocab_parallel_nll
-        target = target_like(target, input)
-        valid = target != ignore_index
-        nll = vocab_parallel_nll(input, target, valid)
+    handler = HANDLERS.get("cross_entropy")
+    taken = handler(input, target, ignore_index) if handler is not None else None
+    if taken is not None:
+        nll, valid = taken
     else:
         valid = target != ignore_index
         safe = pw.where(valid, target, 0)  # an ignored row still needs an in-range index

@@ -21,12 +21,10 @@ from dtensor.nn.gpt import next_token_loss, sample, token_ids
 from dtensor.nn.hf import NameMap, load_safetensors, save_safetensors
 from dtensor.nn.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from dtensor.nn.module import Module, ModuleList
-from dtensor.placements import Replicate, Shard
 from dtensor.tensor import arange
 from dtensor.validate import as_bool, as_int, as_real
 
-__all__ = ["LlamaConfig", "Llama", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer",
-           "llama_tp_plan"]
+__all__ = ["LlamaConfig", "Llama", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer"]
 
 
 @dataclass
@@ -226,16 +224,20 @@ class Llama(Module):
 
     # -- Hugging Face checkpoints
     @classmethod
-    def from_pretrained(cls, folder, device_mesh=None, *, sequence_parallel: bool = False,
-                        loss_parallel: bool = True, fsdp: bool = False) -> "Llama":
+    def from_pretrained(cls, folder, layout=None, **distributed) -> "Llama":
         """A Llama with the weights of a Hugging Face folder (``config.json`` and
         ``*.safetensors``, names such as ``model.layers.0.self_attn.q_proj.weight``).
 
-        With ``device_mesh`` the model is parallelized over it first (``parallelize``: a 1-D
-        mesh is tensor parallel, a 2-D one needs dims "dp" and "tp"; ``fsdp`` shards the
-        parameters over "dp" too) and each rank reads only its own slice of each tensor: no
-        rank ever holds the whole model.
+        ``layout(model)``, when given, lays out the still-empty model (``parallelize``) before
+        the weights load, so each rank reads only its own slice of each tensor.
+        ``dtensor.parallel.from_pretrained(Llama, folder, mesh)`` passes it.
         """
+        if distributed or (layout is not None and not callable(layout)):
+            raise TypeError(
+                f"Llama.from_pretrained(folder) loads on one process; for a mesh write "
+                f"dtensor.parallel.from_pretrained(Llama, folder, mesh, ...), which lays the "
+                f"model out first so each rank reads only its slices (got "
+                f"{', '.join(sorted(distributed)) or repr(layout)}).")
         folder = os.fspath(folder)
         path = os.path.join(folder, "config.json")
         try:
@@ -250,10 +252,8 @@ class Llama(Module):
         cfg = LlamaConfig.from_hf(hf)
         with init.empty_parameters():
             model = cls(cfg)
-        if device_mesh is not None:
-            from dtensor.parallel import parallelize
-            parallelize(model, device_mesh, sequence_parallel=sequence_parallel,
-                        loss_parallel=loss_parallel, fsdp=fsdp)
+        if layout is not None:
+            layout(model)
         load_safetensors(model, folder, _HF_NAMES)  # allocates each rank's blocks as it reads
         return model
 
@@ -261,22 +261,6 @@ class Llama(Module):
         """Write ``config.json`` and ``model.safetensors`` (whole tensors, from any layout; every
         rank must call it, rank 0 writes)."""
         save_safetensors(self, folder, _HF_NAMES, config=self.config.to_hf())
-
-    def tp_plan(self, tp: int | None = None, sequence_parallel: bool = False,
-                loss_parallel: bool = True) -> dict:
-        """torchtitan's plan (``llama_tp_plan``) for this model, checked against a
-        tensor-parallel degree ``tp`` when given: it must divide the query heads (the MLP width
-        and the vocabulary may shard unevenly). Key/value heads that do not split evenly over
-        ``tp`` (tp 4 over 2 of them) are shared: their projections stay whole on every rank."""
-        c = self.config
-        if tp is not None:
-            tp = as_int(tp, "Llama.tp_plan: tp", low=1)
-            if c.n_heads % tp:
-                raise ValueError(f"Llama: tensor-parallel degree {tp} does not divide n_heads="
-                                 f"{c.n_heads}; column-parallel q projections give each rank "
-                                 f"whole heads. Pick tp from the divisors of {c.n_heads}.")
-        shared = tp is not None and c.n_kv_heads % tp != 0
-        return llama_tp_plan(sequence_parallel, loss_parallel, shared_kv=shared)
 
 
 def _hf_to_ours(name: str) -> str | None:
@@ -291,50 +275,3 @@ def _ours_to_hf(path: str) -> str:
 
 
 _HF_NAMES = NameMap(_hf_to_ours, _ours_to_hf)
-
-
-def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = True,
-                  shared_kv: bool = False) -> dict:
-    """torchtitan's Llama tensor-parallel plan, in this module's names: q/k/v and gate/up
-    column-parallel, o/down row-parallel, the embedding vocab-parallel (rowwise over its
-    vocabulary rows), lm_head column-parallel with the vocab-parallel loss; norms replicated, or
-    sequence-parallel (Shard(1) residual stream) with ``sequence_parallel``.
-
-    ``shared_kv`` (key/value heads that do not split evenly over the ranks, e.g. more ranks than
-    heads): k and v projections stay
-    replicated, as Megatron replicates key/value heads across the ranks that share them. Each
-    rank computes the key/value heads and attention reads those of its own query heads (a local
-    slice, no communication); their gradients come back as partial sums, so the backward adds
-    one all-reduce per projection weight and nothing activation-sized."""
-    from dtensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                  RowwiseParallel, SequenceParallel)
-    stream = Shard(1) if sequence_parallel else Replicate()
-    plan = {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
-                                        use_local_output=False),
-        "layers.*.self_attn": PrepareModuleInput(input_layouts=(stream, None, None),
-                                                 desired_input_layouts=(Replicate(), None, None)),
-        "layers.*.self_attn.q_proj": ColwiseParallel(use_local_output=False),
-        "layers.*.self_attn.k_proj": ColwiseParallel(use_local_output=False),
-        "layers.*.self_attn.v_proj": ColwiseParallel(use_local_output=False),
-        "layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=stream,
-                                                     use_local_output=False),
-        "layers.*.mlp": PrepareModuleInput(input_layouts=(stream,),
-                                           desired_input_layouts=(Replicate(),)),
-        "layers.*.mlp.gate_proj": ColwiseParallel(use_local_output=False),
-        "layers.*.mlp.up_proj": ColwiseParallel(use_local_output=False),
-        "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream, use_local_output=False),
-        "lm_head": ColwiseParallel(input_layouts=stream,
-                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                   use_local_output=False),
-    }
-    if shared_kv:
-        del plan["layers.*.self_attn.k_proj"], plan["layers.*.self_attn.v_proj"]
-    if sequence_parallel:
-        for key in ("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm"):
-            plan[key] = SequenceParallel()
-    else:
-        plan["norm"] = PrepareModuleOutput(output_layouts=(Replicate(),),
-                                           desired_output_layouts=(Replicate(),),
-                                           use_local_output=False)
-    return plan

@@ -97,7 +97,7 @@ _CONVERTERS: dict[type, Callable] = {}
 
 
 # The active tracer of dtensor.compile (None when not tracing): eager impl calls, DTensor local
-# kernels and redistributes report to it instead of running (compile/trace.py).
+# kernels and redistributes report to it instead of running (dtensor/tracer.py).
 _trace = None
 
 

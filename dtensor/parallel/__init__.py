@@ -2,7 +2,8 @@
 ``plan`` (a plan found from any model's traced forward, explained) and ``parallelize`` (found
 and applied), ``loss_parallel``, and ``replicate`` (DDP) and ``fully_shard`` (FSDP2) for any
 module."""
-from dtensor.parallel.api import gpt_plan, parallelize, parallelize_module
+from dtensor.parallel.api import (distribute_module, from_pretrained, gpt_plan, llama_tp_plan,
+                                  parallelize, parallelize_module)
 from dtensor.parallel.data_parallel import fully_shard, replicate
 from dtensor.parallel.loss import loss_parallel
 from dtensor.parallel.planner import Plan, plan
@@ -11,4 +12,5 @@ from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModul
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "parallelize_module", "parallelize",
-           "gpt_plan", "loss_parallel", "replicate", "fully_shard", "plan", "Plan"]
+           "gpt_plan", "llama_tp_plan", "from_pretrained", "distribute_module", "loss_parallel",
+           "replicate", "fully_shard", "plan", "Plan"]

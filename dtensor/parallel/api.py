@@ -10,7 +10,7 @@ import numpy as np
 
 from dtensor.dtensor import DTensor, distribute_tensor, implicit_replication
 from dtensor.mesh import DeviceMesh
-from dtensor.nn.module import Module
+from dtensor.nn.module import Module, Parameter
 from dtensor.parallel.data_parallel import (_agree, _check_targets, _params_text,
                                             _ShardedParams, replicate)
 from dtensor.parallel.loss import loss_parallel as _loss_parallel
@@ -19,8 +19,10 @@ from dtensor.parallel.style import (ColwiseParallel, ParallelStyle, PrepareModul
                                     distribute_param, wrap_forward)
 from dtensor.placements import Replicate, Shard, StridedShard
 from dtensor.tensor import TensorMethods
+from dtensor.validate import as_int
 
-__all__ = ["parallelize_module", "parallelize", "replicate"]
+__all__ = ["parallelize_module", "parallelize", "replicate", "distribute_module", "gpt_plan",
+           "llama_tp_plan", "from_pretrained"]
 
 _PLAN_EXAMPLE = """    from dtensor.parallel import *
     parallelize_module(model, mesh, {
@@ -212,6 +214,79 @@ def gpt_plan(sequence_parallel: bool, loss_parallel: bool) -> dict:
     return plan
 
 
+def llama_tp_plan(model=None, tp: int | None = None, sequence_parallel: bool = False,
+                  loss_parallel: bool = True) -> dict:
+    """torchtitan's tensor-parallel plan for a dtensor.nn.Llama: q/k/v and gate/up
+    column-parallel, o/down row-parallel, the embedding vocab-parallel (rowwise over its
+    vocabulary rows), lm_head column-parallel with the vocab-parallel loss; norms replicated, or
+    sequence-parallel (Shard(1) residual stream) with ``sequence_parallel``.
+
+    With ``model`` and the tensor-parallel degree ``tp`` the plan is checked: ``tp`` must
+    divide the query heads (the MLP width and the vocabulary may shard unevenly). Key/value
+    heads that do not split evenly over the ranks (tp 4 over 2 of them) are shared: k and v
+    projections stay replicated, as Megatron replicates key/value heads across the ranks that
+    share them. Each rank computes the key/value heads and attention reads those of its own
+    query heads (a local slice, no communication); their gradients come back as partial sums,
+    so the backward adds one all-reduce per projection weight and nothing activation-sized."""
+    shared_kv = False
+    if model is not None and tp is not None:
+        c = model.config
+        tp = as_int(tp, "llama_tp_plan: tp", low=1)
+        if c.n_heads % tp:
+            raise ValueError(f"llama_tp_plan: tensor-parallel degree {tp} does not divide "
+                             f"n_heads={c.n_heads}; column-parallel q projections give each "
+                             f"rank whole heads. Pick tp from the divisors of {c.n_heads}.")
+        shared_kv = c.n_kv_heads % tp != 0
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream,
+                                        use_local_output=False),
+        "layers.*.self_attn": PrepareModuleInput(input_layouts=(stream, None, None),
+                                                 desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.self_attn.q_proj": ColwiseParallel(use_local_output=False),
+        "layers.*.self_attn.k_proj": ColwiseParallel(use_local_output=False),
+        "layers.*.self_attn.v_proj": ColwiseParallel(use_local_output=False),
+        "layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=stream,
+                                                     use_local_output=False),
+        "layers.*.mlp": PrepareModuleInput(input_layouts=(stream,),
+                                           desired_input_layouts=(Replicate(),)),
+        "layers.*.mlp.gate_proj": ColwiseParallel(use_local_output=False),
+        "layers.*.mlp.up_proj": ColwiseParallel(use_local_output=False),
+        "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream, use_local_output=False),
+        "lm_head": ColwiseParallel(input_layouts=stream,
+                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=False),
+    }
+    if shared_kv:
+        del plan["layers.*.self_attn.k_proj"], plan["layers.*.self_attn.v_proj"]
+    if sequence_parallel:
+        for key in ("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm"):
+            plan[key] = SequenceParallel()
+    else:
+        plan["norm"] = PrepareModuleOutput(output_layouts=(Replicate(),),
+                                           desired_output_layouts=(Replicate(),),
+                                           use_local_output=False)
+    return plan
+
+
+def from_pretrained(cls, folder, device_mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                    loss_parallel: bool = True, fsdp: bool = False):
+    """``cls.from_pretrained(folder)`` laid out over ``device_mesh`` before its weights load
+    (``parallelize``: a 1-D mesh is tensor parallel, a 2-D one needs dims "dp" and "tp";
+    ``fsdp`` shards the parameters over "dp" too), so each rank reads only its own slice of
+    each tensor and no rank ever holds the whole model.
+
+    Example:
+        >>> model = dtensor.parallel.from_pretrained(Llama, folder, mesh, fsdp=True)
+    """
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"from_pretrained: device_mesh must be a DeviceMesh "
+                        f"(dtensor.init_device_mesh), got {type(device_mesh).__name__}.")
+    return cls.from_pretrained(folder, lambda model: parallelize(
+        model, device_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+        fsdp=fsdp))
+
+
 def _fsdp_dim(p: DTensor, tp: int | None) -> int | None:
     """The tensor dim FSDP shards over "dp": dim 0, or dim 1 when "tp" shards dim 0 of a
     matrix, so gathering it is a plain all-gather over "dp". None for a vector "tp" already
@@ -384,3 +459,25 @@ def _parallelize(model: Module, mesh: DeviceMesh, plan: dict, dp: int | None, tp
         print(explained if explained is not None else _describe(model, plan, mesh, fsdp),
               flush=True)
     return model
+
+
+def distribute_module(module, device_mesh: DeviceMesh, partition_fn=None, input_fn=None,
+                      output_fn=None):
+    """Distribute a module's parameters (torch semantics).
+
+    ``partition_fn(name, submodule, mesh)`` may replace parameters with DTensor parameters; by
+    default every parameter is replicated. ``input_fn(module, inputs, mesh)`` and
+    ``output_fn(module, outputs, mesh)`` become forward pre/post hooks.
+    """
+    for name, sub in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, sub, device_mesh)
+        for pname, p in list(sub._parameters.items()):
+            if p is not None and not isinstance(p, DTensor):
+                sub._parameters[pname] = Parameter(distribute_tensor(
+                    p.detach(), device_mesh, [Replicate()] * device_mesh.ndim))
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda m, args: input_fn(m, args, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda m, args, out: output_fn(m, out, device_mesh))
+    return module

@@ -13,9 +13,9 @@ Example (logits of shape (N, V) placed [Shard(1)]):
 """
 from __future__ import annotations
 
-
 from dtensor._flag import Flag
 from dtensor.dtensor import DTensor, _redistribute, distribute_tensor
+from dtensor.nn import functional
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
 from dtensor.placements import Partial, Replicate, Shard
@@ -33,6 +33,18 @@ def loss_parallel():
 
 def loss_parallel_enabled() -> bool:
     return _state.on
+
+
+def _cross_entropy(logits, target, ignore_index: int):
+    """cross_entropy's handler: (nll, valid) of class-sharded logits inside the context."""
+    if not (_state.on and class_sharded(logits)):
+        return None
+    target = target_like(target, logits)
+    valid = target != ignore_index
+    return vocab_parallel_nll(logits, target, valid), valid
+
+
+functional.HANDLERS["cross_entropy"] = _cross_entropy
 
 
 def class_sharded(x) -> bool:

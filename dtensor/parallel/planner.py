@@ -1,8 +1,8 @@
 """A tensor-parallel plan found from what a model computes, not from its names.
 
-``plan(model, mesh, example_inputs)`` traces the forward once at the example's shapes (the
-compiler's tracer, in this process, no communication) and reads Megatron's building blocks off
-the graph:
+``plan(model, mesh, example_inputs)`` traces the forward once at the example's shapes (with
+dtensor.compile's tracer, in this process, no communication) and reads Megatron's building
+blocks off the graph:
 
 * **chains**: Linear layers whose outputs, split by columns, stay split through everything up
   to the Linear layers that consume them (pointwise ops, activations and gated products, head
@@ -43,11 +43,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from dtensor import random
 from dtensor.mesh import DeviceMesh
 from dtensor.nn.layers import Embedding, Linear
 from dtensor.nn.module import Module
 from dtensor.parallel.style import ParallelStyle
 from dtensor.placements import Partial, Replicate, Shard, StridedShard
+from dtensor.tensor import Tensor, TensorMethods
+from dtensor.tracer import Traced, Tracer
 
 __all__ = ["plan", "Plan"]
 
@@ -72,31 +75,45 @@ class _Call:
 
 
 def _node(x):
-    from dtensor.compile.trace import Traced
     data = getattr(x, "data", x)
     return data.node if type(data) is Traced else None
 
 
-def _trace(model: Module, example_inputs):
-    """(graph, calls, output nodes) of one forward of ``model``, traced as ``dtensor.compile``
-    traces (which restores the parameters, gradients and the random stream after), with each
-    module call recorded. Parameter inputs are labelled by their paths."""
-    from dtensor.compile import trace
-    from dtensor.compile.api import _Env
-    from dtensor.compile.api import _trace as trace_fn
-    from dtensor.compile.graph import Node
+def _leaves(result) -> list:
+    """The tensors in a forward's result (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(result, TensorMethods):
+        return [result]
+    if isinstance(result, (tuple, list)):
+        return [t for r in result for t in _leaves(r)]
+    if isinstance(result, dict):
+        return [t for r in result.values() for t in _leaves(r)]
+    return []
 
+
+def _trace(model: Module, example_inputs):
+    """(graph, calls, output nodes) of one forward of ``model`` under the tracer, with each
+    module call recorded and each parameter an input labelled by its path. The parameters and
+    the random stream are as they were after."""
     calls: list[_Call] = []
     stack: list[_Call] = []
+    tracer = Tracer()
 
     def pre(mod, args, path):
-        call = _Call(path, mod, [_node(a) for a in args], None, trace._ACTIVE.graph._next)
+        call = _Call(path, mod, [_node(a) for a in args], None, tracer.graph._next)
         stack.append(call)
         calls.append(call)
 
     def post(mod, args, out):
         call = stack.pop()
-        call.out, call.end = _node(out), trace._ACTIVE.graph._next
+        call.out, call.end = _node(out), tracer.graph._next
+
+    def traced(i, a):
+        if isinstance(a, (Tensor, np.ndarray)):
+            arr = a.data if isinstance(a, Tensor) else a
+            out = Tensor._wrap(tracer.input(f"arg{i}", arr))
+            out.requires_grad = isinstance(a, Tensor) and a.requires_grad
+            return out
+        return a
 
     modules = list(model.named_modules())
     for path, m in modules:
@@ -104,21 +121,24 @@ def _trace(model: Module, example_inputs):
         m._forward_pre_hooks = {-1: lambda mod, args, _p=path: pre(mod, args, _p),
                                 **m._forward_pre_hooks}
         m._forward_hooks[-1] = post
-    env = _Env(model)
+    saved = [(p, p.data) for _, p in model.named_parameters()]
+    rng = random.get_rng_state()
     args, kwargs = example_inputs
     try:
-        graph, _, writebacks, _ = trace_fn(model, env, tuple(args), dict(kwargs))
+        with tracer:
+            for (path, _), (p, arr) in zip(model.named_parameters(), saved):
+                p.data = tracer.input(path, arr)
+            result = model(*[traced(i, a) for i, a in enumerate(args)],
+                           **{k: traced(k, v) for k, v in kwargs.items()})
     finally:
+        for p, arr in saved:
+            p.data = arr
         for _, m in modules:
             m._forward_pre_hooks.pop(-1, None)
             m._forward_hooks.pop(-1, None)
-    path = {id(p): name for name, p in model.named_parameters()}
-    labels = {f"param{i}": path[id(p)] for i, p in enumerate(env.params)}
-    for n in graph.inputs:
-        n.name = labels.get(n.name, n.name)
-    outputs = [n for n, wb in zip(graph.outputs, writebacks)
-               if wb.kind == "result" and isinstance(n, Node)]
-    return graph, calls, outputs
+        random.set_rng_state(rng)
+    outputs = [n for n in map(_node, _leaves(result)) if n is not None]
+    return tracer.graph, calls, outputs
 
 
 # ----------------------------------------------------------------------------- the walk
@@ -681,13 +701,18 @@ def plan(model: Module, mesh: DeviceMesh, example_inputs=None, *,
 
 def _reference(model: Module, n: int, sp: bool, lp: bool):
     """The hand-written Megatron plan for this model, if it has one: its own ``tp_plan`` (as
-    Hugging Face models carry one) or ``gpt_plan`` for dtensor.nn.GPT-shaped models."""
-    from dtensor.parallel.api import _plan_hits, gpt_plan
+    Hugging Face models carry one), ``llama_tp_plan`` for a dtensor.nn.Llama, or ``gpt_plan``
+    for dtensor.nn.GPT-shaped models."""
+    from dtensor.nn.llama import Llama
+    from dtensor.parallel.api import _plan_hits, gpt_plan, llama_tp_plan
     own = getattr(model, "tp_plan", None)
     try:
         if callable(own):
             name, styles = f"{type(model).__name__}.tp_plan", own(n, sequence_parallel=sp,
                                                                   loss_parallel=lp)
+        elif isinstance(model, Llama):
+            name, styles = "llama_tp_plan", llama_tp_plan(model, n, sequence_parallel=sp,
+                                                          loss_parallel=lp)
         else:
             name, styles = "Megatron's plan (gpt_plan)", gpt_plan(sp, lp)
         _plan_hits(model, styles)  # every key names a module of this model

@@ -13,33 +13,13 @@ runtime recomputes: random keys (``dtensor.random.next_key``) and optimizer scal
 from __future__ import annotations
 
 import functools
-import os
-import sys
-import traceback
 
 import numpy as np
 
-from dtensor.compile.graph import Graph, Node, Slot
+from dtensor.errors import TracingError, user_line
+from dtensor.graph import Graph, Node, Slot
 
 __all__ = ["Traced", "Tracer", "TracingError"]
-
-# Frames in these folders are dtensor's own; an error names the first frame outside them.
-_OWN_DIRS = (os.path.dirname(os.path.abspath(sys.modules["dtensor"].__file__)) + os.sep,
-             os.path.dirname(os.path.abspath(__file__)) + os.sep)
-
-
-class TracingError(RuntimeError):
-    """The traced function did something a graph cannot hold."""
-
-
-def user_line() -> str:
-    """``file:line: code`` of the innermost frame outside dtensor itself."""
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        path = os.path.abspath(frame.filename)
-        if not path.startswith(_OWN_DIRS):
-            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
-    return "<unknown>"
-
 
 def _data_dependent_message(what: str) -> str:
     return (f"dtensor.compile: {what} needs a value the traced graph only knows at run time, "

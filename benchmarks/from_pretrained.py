@@ -78,7 +78,7 @@ def load(folder: str, out: str) -> None:
              dtensor.parallel.from_pretrained(Llama, folder, mesh))
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base  # KiB on Linux
-    held = sum((p._loc() if hasattr(p, "_spec") else p.data).nbytes for p in model.parameters())
+    held = sum((p.to_local() if p.is_distributed else p).data.nbytes for p in model.parameters())
     rank = get_rank()
     Path(out, f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "peak_mb": peak / 1024, "params_mb": held / 2**20, "load_s": seconds}))

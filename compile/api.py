@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 
 from dtensor.compile import guards, numpy_backend, passes
+from dtensor.tensor import Tensor, TensorMethods
 from dtensor.tracer import Traced, Tracer, TracingError
 
 __all__ = ["compile", "Compiled", "TracingError", "RecompileWarning"]
@@ -102,7 +103,7 @@ class _Env:
 
 
 def _is_dtensor(t) -> bool:
-    return hasattr(t, "_spec")
+    return isinstance(t, TensorMethods) and t.is_distributed
 
 
 def _data(t):
@@ -182,7 +183,6 @@ def _rebuild(like, arr):
 
 def _flatten(result, leaves):
     """``result`` with its tensors replaced by indices into ``leaves``."""
-    from dtensor.tensor import TensorMethods
     if isinstance(result, TensorMethods):
         leaves.append(result)
         return ("leaf", len(leaves) - 1)
@@ -239,7 +239,6 @@ def _trace(fn, env: _Env, args, kwargs):
     result tree)."""
     from dtensor import random
     from dtensor.dtensor import DTensor
-    from dtensor.tensor import Tensor, TensorMethods
 
     tracer = Tracer()
     restore_data = []  # (tensor, original array)
@@ -256,7 +255,7 @@ def _trace(fn, env: _Env, args, kwargs):
     saved_state = {id(opt): (opt, {p: (s, dict(s)) for p, s in opt.state.items()})
                    for opt in env.optimizers}
     saved_grads = [(p, p.grad) for p in env.params]
-    saved_stream = (random._seed, random._stream)
+    saved_stream = random.get_rng_state()
 
     def trace_arg(a, where):
         if isinstance(a, DTensor):
@@ -326,7 +325,7 @@ def _trace(fn, env: _Env, args, kwargs):
                     opt.state[p] = inner
             for p, g in saved_grads:
                 p.grad = g
-            random._seed, random._stream = saved_stream
+            random.set_rng_state(saved_stream)
     graph = tracer.graph
     graph.outputs = outputs
     return graph, feeds, writebacks, tree

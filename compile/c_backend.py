@@ -18,7 +18,6 @@ not listed stay numpy calls.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import math
 import os
@@ -30,9 +29,11 @@ import subprocess
 import threading
 
 import numpy as np
-
 from dtensor.compile import cache
+
 from dtensor.graph import Graph, Node
+from dtensor.ops.nn import logit_rows
+from dtensor.ops.registry import OPS
 
 __all__ = ["lower_graph", "num_threads", "CompilerNotFound"]
 
@@ -751,9 +752,8 @@ class _CrossEntropy:
                          [_P] * 3 + [_I] * 3 + [_P])
 
     def __call__(self, *inputs, out=None):
-        from dtensor.ops.nn import _rows
         g, x, t = inputs if self.backward else (None, *inputs)
-        xs, ts = _rows(x, t)  # raises for a target outside [0, classes)
+        xs, ts = logit_rows(x, t)  # raises for a target outside [0, classes)
         ts = np.ascontiguousarray(ts, dtype=np.int64)
         R = xs.shape[0]
         out = np.empty(self.shape, self.dtype) if out is None else out
@@ -855,21 +855,16 @@ def _pointwise_ok(ops, in_dtypes, dtype) -> bool:
 
 
 def _index_add_for(n: Node):
-    """The whole index_add op, or DTensor's local block of it (dtensor/dtensor.py)."""
-    from dtensor.dtensor import _index_add_local, _rows
-    from dtensor.ops.registry import OPS
-    if n.fn is OPS["index_add"].impl:
+    """The whole index_add op, or its local kernel on this rank's rows of the result."""
+    if n.variant == "impl":
         return _IndexAdd(n.shape, n.dtype, 0, n.shape[0]), {}
-    if isinstance(n.fn, functools.partial) and n.fn.func is _index_add_local:
-        spec = n.fn.keywords["out_spec"]
-        return _IndexAdd(n.shape, n.dtype, _rows(spec, 0)[0], spec.shape[0]), {}
-    return None
+    out = n.blocks[1]
+    return _IndexAdd(n.shape, n.dtype, out.rows(0)[0], out.shape[0]), {}
 
 
 def _kernel_for(n: Node, name: str):
     """A C kernel for node ``n`` and the params it is then called with, or None."""
     from dtensor.compile.passes.fusion import as_group, pointwise_op
-    from dtensor.ops.registry import OPS
     arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
     if n.dtype not in (np.float32, np.float64) or not n.shape:
         return None
@@ -887,8 +882,7 @@ def _kernel_for(n: Node, name: str):
         return None
     if n.name == "index_add" and arrays[0].dtype == n.dtype and arrays[1].dtype.kind in "iu":
         return _index_add_for(n)
-    op = OPS.get(n.name)
-    if op is None or n.fn is not op.impl:
+    if n.name not in OPS or n.variant != "impl":
         return None
     if n.name in _ROW_OPS and all(a.dtype == n.dtype for a in arrays):
         return _Rowwise(n.name, n.params, n.shape, n.dtype), {}
@@ -907,8 +901,7 @@ def _weighted_gradient(n: Node, users: dict, outputs: set):
     """(g, w) when a normalize_backward's gradient is only ever g * w with w one row of C (a
     LayerNorm weight's gradient path), else None."""
     from dtensor.compile.passes.fusion import pointwise_op
-    from dtensor.ops.registry import OPS
-    m = n.inputs[0] if (n.name == "normalize_backward" and n.fn is OPS[n.name].impl
+    m = n.inputs[0] if (n.name == "normalize_backward" and n.variant == "impl"
                         and n.dtype in (np.float32, np.float64)
                         and n.inputs[1].dtype == n.dtype) else None
     if not (isinstance(m, Node) and m.name == "mul" and pointwise_op(m) is not None

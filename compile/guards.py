@@ -140,7 +140,7 @@ class _Walk:
             if id(v) in self.params:
                 self.leaf(path, "param", id(v))
             else:
-                self.array(v._loc() if hasattr(v, "_spec") else v.data, path, id(v))
+                self.array(v._loc() if v.is_distributed else v.data, path, id(v))
         elif isinstance(v, Module):
             self.module(v, path)
         else:

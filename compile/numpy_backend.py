@@ -107,13 +107,13 @@ def adamw_group(*arrays, sizes, each=(), **hp):
     """The AdamW update of several parameters (inputs p, g, m, v of each in turn) into one
     (3, total) array: parameter j's new value, m and v are columns offset_j: offset_j + size_j.
     Hyperparameters named in ``each`` come per parameter, as ``name_j``."""
-    from dtensor.ops.nn import _adamw_impl
+    from dtensor.ops.nn import adamw_update
     out = np.empty((3, sum(sizes)), arrays[0].dtype)
     shared = {k: v for k, v in hp.items() if k in ADAMW_HYPERPARAMETERS}
     offset = 0
     for j, size in enumerate(sizes):
         own = {k: hp[f"{k}_{j}"] for k in each}
-        _adamw_impl(*arrays[4 * j:4 * j + 4], out=out[:, offset:offset + size], **shared, **own)
+        adamw_update(*arrays[4 * j:4 * j + 4], out=out[:, offset:offset + size], **shared, **own)
         offset += size
     return out
 

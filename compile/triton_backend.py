@@ -14,9 +14,10 @@ import os
 import sys
 
 import numpy as np
+from dtensor.compile.numpy_backend import import_source
 
 from dtensor.graph import Graph, Node
-from dtensor.compile.numpy_backend import import_source
+from dtensor.ops.registry import OPS
 
 __all__ = ["lower_graph", "ensure_triton"]
 
@@ -614,8 +615,6 @@ def _kernel_for(n: Node):
     """A Triton kernel for node ``n`` and the params it is called with, or None (the node
     stays a numpy call)."""
     from dtensor.compile.passes.fusion import as_group, pointwise_op
-    from dtensor.dtensor import _block_offsets, _rand_local, _randn_local
-    from dtensor.ops.registry import OPS
     arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
     if n.name == "fused_rows":
         return _RowGroup(n, [a.shape for a in arrays], [a.dtype for a in arrays]), {}
@@ -631,14 +630,10 @@ def _kernel_for(n: Node):
     if n.name == "adamw_group" and all(a.dtype == np.float32 for a in arrays):
         return _AdamWGroup(n.params["sizes"]), {k: v for k, v in n.params.items()
                                                  if k != "sizes"}
-    local = getattr(n.fn, "func", None)
-    if local in (_rand_local, _randn_local):  # a DTensor block: its global flat offsets
-        offsets = _block_offsets(n.fn.keywords["out_spec"])
-        name = "rand" if local is _rand_local else "randn"
-        return _Random(name, n.shape, n.dtype, offsets), {k: n.params[k] for k in ("key",
-                                                                                 "dtype")}
-    op = OPS.get(n.name)
-    if op is None or n.fn is not op.impl:
+    if n.name in ("rand", "randn") and n.variant == "local":  # a block: its global offsets
+        return (_Random(n.name, n.shape, n.dtype, n.blocks[1].flat_offsets()),
+                {k: n.params[k] for k in ("key", "dtype")})
+    if n.name not in OPS or n.variant != "impl":
         return None
     if n.name in _ROW_KIND:
         return _Rowwise(n.name, n.params, n.shape, n.dtype), {}

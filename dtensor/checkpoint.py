@@ -56,6 +56,7 @@ import numpy as np
 
 from dtensor._checkpoint_meta import FORMAT, SHARD, VERSION, CheckpointError, read_meta
 from dtensor.distributed import _several_ranks  # one place decides whether a job has peers
+from dtensor.tensor import TensorMethods
 
 __all__ = ["save", "load", "CheckpointError", "FORMAT", "VERSION"]
 
@@ -97,12 +98,11 @@ def _flatten(tree) -> tuple[dict, CheckpointError | None]:
 
 
 def _is_tensor(v) -> bool:
-    from dtensor.tensor import TensorMethods
     return isinstance(v, TensorMethods)
 
 
 def _is_dtensor(v) -> bool:
-    return hasattr(v, "_spec")
+    return isinstance(v, TensorMethods) and v.is_distributed
 
 
 def _has_dtensors(flat) -> bool:

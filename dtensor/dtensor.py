@@ -22,7 +22,7 @@ from dtensor import autograd, random
 from dtensor._flag import Flag
 from dtensor.mesh import DeviceMesh
 from dtensor.ops import registry, structural
-from dtensor.ops.registry import Aval, Op
+from dtensor.ops.registry import Aval, Block, Op
 from dtensor.placements import Partial, Placement, Replicate, Shard, StridedShard, as_placements
 from dtensor.redistribute import (index_runs, local_indices, local_pieces,
                                   local_shape_and_offset, redistribute_local)
@@ -64,6 +64,13 @@ class DTensorSpec:
 _BLOCKS: dict = {}
 
 
+def block_of(spec: DTensorSpec) -> Block:
+    """Where this rank's block of ``spec`` sits: what an op's local kernel reads."""
+    shape, offset = _local_block(spec)
+    return Block(spec.shape, tuple(shape), tuple(offset), tuple(local_indices(
+        spec.shape, spec.placements, spec.mesh.shape, spec.mesh.get_coordinate())))
+
+
 def _local_block(spec: DTensorSpec):
     blk = _BLOCKS.get(spec)
     if blk is None:
@@ -74,6 +81,8 @@ def _local_block(spec: DTensorSpec):
 
 class DTensor(TensorMethods):
     """A distributed tensor. Build one with ``distribute_tensor`` or ``DTensor.from_local``."""
+
+    is_distributed = True
 
     __slots__ = ("_local", "_spec", "_work", "_reduced", "requires_grad", "grad", "_node",
                  "_is_param", "__weakref__")
@@ -422,21 +431,22 @@ def _interpret(op: Op, args, params):
         if len(_CACHE) > 8192:  # params such as a scheduled learning rate change every step
             _CACHE.clear()
         entry = _CACHE[key] = _plan(op, args, params)
-    targets, out_spec, local_params, fn, in_specs = entry
+    targets, out_spec, local_params, in_specs, blocks = entry
     locals_ = [a._local_as(t) if t is not None else a for a, t in zip(args, targets)]
     if registry._trace is not None:
-        return DTensor._make(registry._trace.local(op, fn, locals_, local_params, in_specs,
-                                                   out_spec), out_spec)
-    if fn is None:
+        return DTensor._make(registry._trace.local(op, locals_, local_params, in_specs,
+                                                   out_spec, blocks), out_spec)
+    if blocks is None:
         out = op.impl(*locals_, **local_params)
     else:
-        out = fn(*locals_, in_specs=in_specs, out_spec=out_spec, **local_params)
+        out = op.local(*locals_, in_blocks=blocks[0], out_block=blocks[1], **local_params)
     return DTensor._make(out, out_spec)
 
 
 def _plan(op: Op, args, params):
     """Everything about running ``op`` on inputs with these specs that does not depend on data:
-    input layouts, output spec, localized params, the local kernel."""
+    input layouts, output spec, localized params, and where the blocks sit for an op with a
+    local kernel."""
     mesh = next(a._spec.mesh for a in args if isinstance(a, DTensor))
     for a in args:
         if isinstance(a, DTensor) and a._spec.mesh != mesh:
@@ -449,8 +459,9 @@ def _plan(op: Op, args, params):
     out_spec = DTensorSpec(mesh, strat.out, tuple(out.shape), np.dtype(out.dtype))
     in_specs = [replace(a._spec, placements=t) if t is not None else None
                 for a, t in zip(args, strat.inputs)]
-    return (strat.inputs, out_spec, _localize(op, params, in_specs, out_spec),
-            _LOCAL.get(op.name), in_specs)
+    blocks = None if op.local is None else (
+        [block_of(s) if s is not None else None for s in in_specs], block_of(out_spec))
+    return strat.inputs, out_spec, _localize(op, params, in_specs, out_spec), in_specs, blocks
 
 
 def _local_key(key, spec: DTensorSpec):
@@ -483,106 +494,6 @@ def _localize(op: Op, params, in_specs, out_spec):
         return {"shape": out_local, "key": _local_key(params["key"], out_spec)}
     return params
 
-
-# -- local kernels of ops whose result on a block depends on where the block sits
-
-
-def _rows(spec: DTensorSpec, axis: int):
-    shape, off = _local_block(spec)
-    return off[axis], shape[axis]
-
-
-def _index_select_local(w, idx, *, in_specs, out_spec):
-    off, n = _rows(in_specs[0], 0)
-    if n == in_specs[0].shape[0]:
-        return structural.index_select.impl(w, idx)
-    if n == 0:  # an empty trailing shard holds none of the rows
-        return np.zeros(_local_block(out_spec)[0], w.dtype)
-    # vocab-parallel lookup: rows outside this block contribute zeros (Partial)
-    rel = structural.check_rows(idx, in_specs[0].shape[0]).reshape(np.shape(idx)) - off
-    hit = (rel >= 0) & (rel < n)
-    out = np.take(w, np.where(hit, rel, 0), axis=0)
-    out *= hit.reshape(hit.shape + (1,) * (w.ndim - 1))
-    return out
-
-
-def _index_add_local(g, idx, like, *, in_specs, out_spec):
-    off, n = _rows(out_spec, 0)
-    if n == 0:
-        return np.zeros(_local_block(out_spec)[0], g.dtype)
-    # vocab-parallel gradient: only the rows this rank holds
-    rel = structural.check_rows(idx, out_spec.shape[0]).reshape(np.shape(idx)) - off
-    hit = (rel >= 0) & (rel < n)
-    rows = g.reshape((idx.size,) + g.shape[idx.ndim:])[hit.reshape(-1)]
-    return structural.index_add_rows(rows, rel[hit], n)
-
-
-def _gather_local(x, idx, axis, *, in_specs, out_spec):
-    # Against the global size: under loss_parallel an index no block holds would give 0.
-    structural.check_along(idx, in_specs[0].shape[axis], axis, "gather")
-    off, n = _rows(in_specs[0], axis)
-    if n == in_specs[0].shape[axis]:
-        return np.take_along_axis(x, idx, axis=axis)
-    if n == 0:
-        return np.zeros(_local_block(out_spec)[0], x.dtype)
-    rel = idx - off
-    hit = (rel >= 0) & (rel < n)
-    return np.take_along_axis(x, np.where(hit, rel, 0), axis=axis) * hit
-
-
-def _scatter_add_local(g, idx, like, axis, *, in_specs, out_spec):
-    off, n = _rows(out_spec, axis)
-    if n == 0:
-        return np.zeros(_local_block(out_spec)[0], g.dtype)
-    rel = idx - off
-    hit = (rel >= 0) & (rel < n)
-    return structural.scatter_add_along(g * hit, np.where(hit, rel, 0), axis, n)
-
-
-def _block_offsets(spec: DTensorSpec) -> np.ndarray:
-    """Global row-major flat index of every element of this rank's block."""
-    strides = np.cumprod((1,) + tuple(reversed(spec.shape[1:])))[::-1]
-    held = local_indices(spec.shape, spec.placements, spec.mesh.shape,
-                         spec.mesh.get_coordinate())
-    flat = np.zeros(_local_block(spec)[0], np.int64)
-    for d, idx in enumerate(held):
-        idx = np.arange(idx.start, idx.stop) if isinstance(idx, slice) else idx
-        flat += (idx.astype(np.int64) * int(strides[d])).reshape((-1,) + (1,) * (flat.ndim - d - 1))
-    return flat
-
-
-def _max_local(x, axis, keepdims, *, in_specs, out_spec):
-    if all(x.shape[a] for a in axis):
-        return np.max(x, axis=axis, keepdims=keepdims)
-    # An empty trailing shard (5 rows over 4 ranks: 2, 2, 1, 0) contributes max's identity.
-    low = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
-    return np.full(_local_block(out_spec)[0], low, x.dtype)
-
-
-def _rand_local(like, key, dtype, *, in_specs, out_spec):
-    return random.uniform(key, _block_offsets(out_spec), dtype)
-
-
-def _randn_local(like, key, dtype, *, in_specs, out_spec):
-    return random.normal(key, _block_offsets(out_spec), dtype)
-
-
-def _group_sum_local(g, repeats, axis, *, in_specs, out_spec):
-    off, n = _rows(in_specs[0], axis)
-    shape = _local_block(out_spec)[0]
-    if shape[axis] * repeats == n:  # the block's own groups (a sharded result)
-        return structural.group_sum.impl(g, repeats, axis)
-    # a Partial result: this block's members summed into the groups they belong to
-    out = np.zeros(shape, g.dtype)
-    np.add.at(np.moveaxis(out, axis, 0), (off + np.arange(n)) // repeats,
-              np.moveaxis(g, axis, 0))
-    return out
-
-
-_LOCAL = {"index_select": _index_select_local, "index_add": _index_add_local,
-          "gather": _gather_local, "scatter_add": _scatter_add_local, "max": _max_local,
-          "group_sum": _group_sum_local, "rand": _rand_local,
-          "randn": _randn_local}
 
 registry.register_interpreter(DTensor, _interpret, _convert)
 

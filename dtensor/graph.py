@@ -47,6 +47,9 @@ class Node:
     fn: Callable | None = None  # what runs: impl, local kernel, or collective
     note: str = ""  # placements, for printing
     buffer: int | None = None  # preallocated result buffer (compile/passes/memory.py)
+    # "impl" (the op's impl), or "local" (its DTensor local kernel, on ``blocks``)
+    variant: str = "impl"
+    blocks: tuple | None = None  # (input Blocks, output Block) of a "local" op
 
     def __repr__(self) -> str:
         return f"%{self.id}"
@@ -73,9 +76,10 @@ class Graph:
     _next: int = 0
 
     def new(self, kind: str, name: str, inputs=(), params=None, shape=(), dtype=None, fn=None,
-            note: str = "") -> Node:
+            note: str = "", variant: str = "impl", blocks=None) -> Node:
         node = Node(self._next, kind, name, list(inputs), dict(params or {}), tuple(shape),
-                    np.dtype(dtype) if dtype is not None else None, fn, note)
+                    np.dtype(dtype) if dtype is not None else None, fn, note, None, variant,
+                    blocks)
         self._next += 1
         (self.inputs if kind == "input" else self.nodes).append(node)
         return node

@@ -210,6 +210,8 @@ class TensorMethods:
 
     __slots__ = ()
     __array_ufunc__ = None  # numpy defers `ndarray + tensor` to Tensor.__radd__
+    # True for a DTensor: code below the DTensor layer asks this instead of importing it.
+    is_distributed = False
 
     # -- arithmetic
     def __add__(self, o): return pw.add(self, o)

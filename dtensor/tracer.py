@@ -197,18 +197,19 @@ class Tracer:
         return Traced(self.graph.new("op", op.name, [_unwrap(a) for a in arrays], params,
                                      out.shape, out.dtype, fn=op.impl))
 
-    def local(self, op, fn, locals_, params, in_specs, out_spec):
-        """A DTensor op on this rank's blocks (its impl, or its local kernel)."""
+    def local(self, op, locals_, params, in_specs, out_spec, blocks):
+        """A DTensor op on this rank's blocks: its impl, or with ``blocks`` (where the blocks
+        sit) its local kernel."""
         from dtensor.dtensor import _local_block
+        run = op.impl if blocks is None else functools.partial(
+            op.local, in_blocks=blocks[0], out_block=blocks[1])
         if not _contains_traced(locals_):  # constants only: compute now
-            return (op.impl(*locals_, **params) if fn is None else
-                    fn(*locals_, in_specs=in_specs, out_spec=out_spec, **params))
-        run = op.impl if fn is None else functools.partial(fn, in_specs=in_specs,
-                                                           out_spec=out_spec)
+            return run(*locals_, **params)
         note = f"{_spec_text(in_specs)} -> {_spec_text([out_spec])}"
         return Traced(self.graph.new("op", op.name, [_unwrap(a) for a in locals_], params,
                                      _local_block(out_spec)[0], out_spec.dtype, fn=run,
-                                     note=note))
+                                     note=note, variant="impl" if blocks is None else "local",
+                                     blocks=blocks))
 
     def comm(self, local, spec, placements):
         """One redistribute of a block: collectives chosen by the transition table."""

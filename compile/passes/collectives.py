@@ -7,6 +7,7 @@ import operator
 import numpy as np
 
 from dtensor.graph import Graph, Node
+from dtensor.ops.registry import OPS
 from dtensor.placements import Partial, Replicate, Shard
 
 BUCKET_BYTES = 25 << 20  # as PyTorch DDP's default bucket cap
@@ -31,7 +32,6 @@ def shard_broadcasts(graph: Graph) -> Graph:
     reads it by its strides); otherwise the redistribute becomes a broadcast_to view. Eager
     slices the broadcast view, which is no copy either."""
     from dtensor.compile.passes.fusion import pointwise_op
-    from dtensor.ops.registry import OPS
     users = graph.users()
     outputs = {o.id for o in graph.outputs if isinstance(o, Node)}
     new: dict[int, object] = {}  # redistribute id -> what replaces it
@@ -44,7 +44,7 @@ def shard_broadcasts(graph: Graph) -> Graph:
     def source(n):  # the broadcast's source if n is such a redistribute, else None
         src = n.inputs[0] if n.kind == "comm" and n.inputs else None
         if not (isinstance(src, Node) and src.kind == "op" and src.name == "broadcast_to"
-                and src.fn is OPS["broadcast_to"].impl):
+                and src.variant == "impl"):
             return None
         changed = [(a, b) for a, b in zip(n.params["spec"].placements, n.params["placements"])
                    if a != b]

@@ -20,13 +20,13 @@ from __future__ import annotations
 import numpy as np
 
 from dtensor.graph import Graph, Node, Slot
+from dtensor.ops.registry import OPS
 
 
 def pointwise_op(n: Node):
     """The registry op of a fusible node, else None."""
-    from dtensor.ops.registry import OPS
     op = OPS.get(n.name)
-    if (n.kind != "op" or op is None or op.shard != "pointwise" or n.fn is not op.impl
+    if (n.kind != "op" or op is None or op.shard != "pointwise" or n.variant != "impl"
             or not isinstance(op.lower, str) or op.lower.startswith(("extern", "rowwise"))):
         return None
     return op
@@ -47,9 +47,7 @@ def as_group(n: Node):
 
 def row_reduction(n: Node) -> bool:
     """A sum or max over the last dim that keeps it (a (..., 1) column), on whole blocks."""
-    from dtensor.ops.registry import OPS
-    op = OPS.get(n.name)
-    if n.kind != "op" or n.name not in ("sum", "max") or op is None or n.fn is not op.impl:
+    if n.kind != "op" or n.name not in ("sum", "max") or n.variant != "impl":
         return False
     x = n.inputs[0] if n.inputs else None
     return (isinstance(x, Node) and len(x.shape) >= 1 and n.params.get("keepdims")
@@ -59,9 +57,7 @@ def row_reduction(n: Node) -> bool:
 def random_source(n: Node) -> bool:
     """rand/randn on a whole tensor: element i is a pure function of (key, i), so a kernel can
     draw it where it is used (dropout's mask is computed, never stored)."""
-    from dtensor.ops.registry import OPS
-    op = OPS.get(n.name)
-    return n.kind == "op" and n.name in ("rand", "randn") and n.fn is op.impl
+    return n.kind == "op" and n.name in ("rand", "randn") and n.variant == "impl"
 
 
 def _fusible(n: Node) -> bool:
@@ -151,8 +147,7 @@ def fuse_pointwise(graph: Graph) -> Graph:
 
 
 def _adamw_node(n: Node) -> bool:
-    from dtensor.ops.registry import OPS
-    return n.kind == "op" and n.name == "adamw_step" and n.fn is OPS["adamw_step"].impl
+    return n.kind == "op" and n.name == "adamw_step" and n.variant == "impl"
 
 
 def adamw_part(flat, *, offset: int, shape: tuple):

@@ -151,7 +151,7 @@ def _index_values(t) -> np.ndarray | None:
     dtensor.compile traces: the compiled step's lookup and loss kernels check them instead."""
     if isinstance(t, np.ndarray):
         return t
-    local = (t.to_local() if hasattr(t, "to_local") else t).data
+    local = (t.to_local() if t.is_distributed else t).data
     return local if isinstance(local, np.ndarray) else None
 
 

@@ -184,7 +184,7 @@ def sample(model, idx, max_new_tokens: int, context: int, temperature: float = 1
         for _ in range(max_new_tokens):
             logits, _ = model(idx[:, -context:])
             last = logits[:, -1, :]
-            last = last.full_tensor() if hasattr(last, "full_tensor") else last
+            last = last.full_tensor() if last.is_distributed else last
             logits = last.numpy().astype(np.float64) / max(temperature, 1e-8)
             if top_k is not None:
                 kth = np.sort(logits, axis=-1)[:, -min(top_k, logits.shape[-1])][:, None]

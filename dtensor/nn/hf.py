@@ -228,7 +228,7 @@ def _bf16_rows(entry: _Entry, name: str, rows: slice, rest: tuple, header) -> np
 def _target(p, shape: tuple[int, ...]) -> np.ndarray:
     """The array the block goes into: the parameter's own, or a new one where that is a
     read-only placeholder (or not a plain contiguous array of its dtype)."""
-    local = p._loc() if hasattr(p, "_spec") else p.data
+    local = p._loc() if p.is_distributed else p.data
     if (type(local) is np.ndarray and local.flags.writeable and local.flags.c_contiguous
             and local.shape == shape and local.dtype == np.dtype(p.dtype)):
         return local
@@ -236,7 +236,7 @@ def _target(p, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _store(p, arr: np.ndarray) -> None:
-    if hasattr(p, "_spec"):
+    if p.is_distributed:
         if p._loc() is not arr:
             p._set_local(arr)
     elif p.data is not arr:
@@ -369,7 +369,7 @@ def _world(tensors):
     """The job's world when a collective may run (DTensors, or a job of several ranks), else
     None: a world of one without MPI, as dtensor.checkpoint does."""
     from dtensor.distributed import _several_ranks
-    if any(hasattr(t, "_spec") for t in tensors) or _several_ranks():
+    if any(t.is_distributed for t in tensors) or _several_ranks():
         from dtensor.comm import get_world
         return get_world()
     return None
@@ -438,7 +438,7 @@ def _shards(entries, limit: int | None) -> list[list[tuple[str, object]]]:
 
 
 def _whole(p) -> np.ndarray:
-    return np.ascontiguousarray((p.full_tensor() if hasattr(p, "_spec") else p).numpy())
+    return np.ascontiguousarray((p.full_tensor() if p.is_distributed else p).numpy())
 
 
 def _write(path: Path, arrays: dict, metadata: dict) -> None:

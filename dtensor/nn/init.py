@@ -15,6 +15,7 @@ import numpy as np
 
 from dtensor.autograd import no_grad
 from dtensor.ops.pointwise import where
+from dtensor.tensor import TensorMethods
 from dtensor.validate import as_real
 
 __all__ = ["calculate_gain", "uniform_", "normal_", "trunc_normal_", "constant_", "zeros_",
@@ -52,7 +53,7 @@ def building_empty() -> bool:
 
 def is_placeholder(t) -> bool:
     """True for a parameter made under ``empty_parameters()`` and not laid out or loaded yet."""
-    data = t._loc() if hasattr(t, "_loc") else getattr(t, "data", t)
+    data = (t._loc() if t.is_distributed else t.data) if isinstance(t, TensorMethods) else t
     return (isinstance(data, np.ndarray) and data.size > 1 and not data.flags.writeable
             and not any(data.strides))
 

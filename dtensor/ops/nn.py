@@ -420,7 +420,7 @@ CE_FIX = ("Targets are class indices below the logits' class count; mark a row t
           "cross_entropy's ignore_index.")
 
 
-def _rows(x, target):
+def logit_rows(x, target):
     """(rows, classes) logits and flat targets, checked to lie in [0, classes) (cross_entropy
     has replaced its ignored ones)."""
     classes = x.shape[-1]
@@ -433,7 +433,7 @@ def _rows(x, target):
 
 
 def _softmax_cross_entropy_impl(x, target):
-    xs, ts = _rows(x, target)
+    xs, ts = logit_rows(x, target)
     out = np.empty(ts.shape, x.dtype)
     acc = accumulate_dtype(x.dtype)
 
@@ -449,7 +449,7 @@ def _softmax_cross_entropy_impl(x, target):
 
 def _softmax_cross_entropy_backward_impl(g, x, target):
     # d nll / dx = softmax(x) - onehot(target), times the row's gradient
-    xs, ts = _rows(x, target)
+    xs, ts = logit_rows(x, target)
     gs = np.broadcast_to(g, np.shape(target)).reshape(-1, 1)
     out = np.empty_like(xs)
     acc = accumulate_dtype(x.dtype)
@@ -507,7 +507,7 @@ def _adamw_block(out, p, g, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2)
     po -= tmp
 
 
-def _adamw_impl(p, g, m, v, out=None, **hp):
+def adamw_update(p, g, m, v, out=None, **hp):
     """The update of one parameter into ``out`` (new param, m, v as rows of a (3, size) array,
     possibly a column range of a larger one)."""
     p, g, m, v = (_contig(a).reshape(-1) for a in (p, g, m, v))
@@ -524,7 +524,7 @@ def _adamw_impl(p, g, m, v, out=None, **hp):
 # bc2 = 1 - beta2^t) for one parameter. The three results (new param, first and second moment)
 # come stacked as (3, ...) so the op keeps a single output; the optimizer takes views of it.
 adamw_step = defop(
-    "adamw_step", impl=lambda p, g, m, v, **hp: _adamw_impl(p, g, m, v, **hp).reshape(
+    "adamw_step", impl=lambda p, g, m, v, **hp: adamw_update(p, g, m, v, **hp).reshape(
         (3,) + p.shape),
     abstract=lambda p, g, m, v, **hp: Aval((3,) + tuple(p.shape), p.dtype),
     shard="pointwise_stacked", lower="pointwise:adamw_step")

@@ -15,7 +15,11 @@ An op is declared once, in one ``defop`` block, with all of its rules side by si
   positions it is linear in (div: ``(0,)``), or "none" (exp, max ...); read by the DTensor engine;
 - ``shard``: the op's sharding rule for one mesh dim (filled in by the DTensor layer);
 - ``lower``: how codegen emits it (a pointwise expression template, or a kind such as
-  ``"reduce"`` / ``"extern"``), read by the compiler.
+  ``"reduce"`` / ``"extern"``), read by the compiler;
+- ``local(*arrays, in_blocks, out_block, **params)``: for the few ops whose result on one
+  rank's block depends on where the block sits (a lookup into vocabulary rows, random values
+  drawn by global index), the kernel the DTensor interpreter runs on the blocks; ``Block``
+  says where each sits. Other ops run ``impl`` on the blocks.
 
 The interpretation follows the input types: ``Tensor`` runs ``impl`` eagerly; other tensor types
 (DTensor, tracer) register an interpreter with :func:`register_interpreter`. Autograd recording
@@ -30,7 +34,7 @@ import numpy as np
 
 from dtensor import autograd
 
-__all__ = ["Aval", "Op", "defop", "apply", "OPS", "register_interpreter"]
+__all__ = ["Aval", "Block", "Op", "defop", "apply", "OPS", "register_interpreter"]
 
 
 class Aval(NamedTuple):
@@ -42,6 +46,30 @@ class Aval(NamedTuple):
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+
+class Block(NamedTuple):
+    """Where this rank's block of a distributed tensor sits in the global tensor: what an op's
+    local kernel knows besides the block's data."""
+
+    shape: tuple[int, ...]  # the global shape
+    local_shape: tuple[int, ...]
+    offset: tuple  # per dim, the first global index held (None on a StridedShard dim)
+    indices: tuple  # per dim, the global indices held: a slice, or an array of them
+
+    def rows(self, axis: int) -> tuple:
+        """(first global index, count) held along ``axis``."""
+        return self.offset[axis], self.local_shape[axis]
+
+    def flat_offsets(self) -> np.ndarray:
+        """The global row-major flat index of every element of the block."""
+        strides = np.cumprod((1,) + tuple(reversed(self.shape[1:])))[::-1]
+        flat = np.zeros(self.local_shape, np.int64)
+        for d, idx in enumerate(self.indices):
+            idx = np.arange(idx.start, idx.stop) if isinstance(idx, slice) else idx
+            flat += (idx.astype(np.int64) * int(strides[d])).reshape(
+                (-1,) + (1,) * (flat.ndim - d - 1))
+        return flat
 
 
 @dataclass(eq=False)
@@ -57,6 +85,7 @@ class Op:
     nondiff: tuple[int, ...] = ()
     # Extra facts for the registry-wide tests (input domain, example params).
     meta: dict = field(default_factory=dict)
+    local: Callable[..., Any] | None = None
 
     def __repr__(self) -> str:
         return f"<op {self.name}>"
@@ -71,14 +100,14 @@ _LINEARITY = ("all", "one", "none")
 
 
 def defop(name: str, *, impl, abstract, vjp=None, linearity="none", shard=None, lower=None,
-          nondiff=(), **meta) -> Op:
+          nondiff=(), local=None, **meta) -> Op:
     """Declare an op once, with all of its rules. Returns the ``Op``, also kept in ``OPS``."""
     if name in OPS:
         raise ValueError(f"op {name!r} is already registered")
     if linearity not in _LINEARITY and not isinstance(linearity, tuple):
         raise ValueError(f"op {name!r}: linearity must be one of {_LINEARITY} or a tuple of "
                          f"input positions, got {linearity!r}")
-    op = Op(name, impl, abstract, vjp, linearity, shard, lower, tuple(nondiff), meta)
+    op = Op(name, impl, abstract, vjp, linearity, shard, lower, tuple(nondiff), meta, local)
     OPS[name] = op
     return op
 

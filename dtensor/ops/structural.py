@@ -67,10 +67,18 @@ def _max_vjp(g, out, x, axis, keepdims):
     return (mask * (g / mask.sum(axis=axis, keepdims=True)),)
 
 
+def _max_local(x, axis, keepdims, *, in_blocks, out_block):
+    if all(x.shape[a] for a in axis):
+        return np.max(x, axis=axis, keepdims=keepdims)
+    # An empty trailing shard (5 rows over 4 ranks: 2, 2, 1, 0) contributes max's identity.
+    low = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+    return np.full(out_block.local_shape, low, x.dtype)
+
+
 max = defop(
     "max", impl=lambda x, axis, keepdims: np.max(x, axis=axis, keepdims=keepdims),
     abstract=lambda x, axis, keepdims: Aval(_reduced_shape(x.shape, axis, keepdims), x.dtype),
-    vjp=_max_vjp, linearity="none", shard="reduce", lower="reduce:max")
+    vjp=_max_vjp, linearity="none", shard="reduce", lower="reduce:max", local=_max_local)
 
 
 
@@ -205,10 +213,22 @@ def _group_sum_abstract(g, repeats, axis):
 # repeat_interleave's adjoint: each run of ``repeats`` entries along ``axis`` summed. Its own
 # op (not a reshape + sum) so a shard that cuts the runs (grouped-query attention with more
 # tensor-parallel ranks than key/value heads) sums what it holds into a Partial, no gathering.
+def _group_sum_local(g, repeats, axis, *, in_blocks, out_block):
+    off, n = in_blocks[0].rows(axis)
+    shape = out_block.local_shape
+    if shape[axis] * repeats == n:  # the block's own groups (a sharded result)
+        return _group_sum_impl(g, repeats, axis)
+    # a Partial result: this block's members summed into the groups they belong to
+    out = np.zeros(shape, g.dtype)
+    np.add.at(np.moveaxis(out, axis, 0), (off + np.arange(n)) // repeats,
+              np.moveaxis(g, axis, 0))
+    return out
+
+
 group_sum = defop(
     "group_sum", impl=_group_sum_impl, abstract=_group_sum_abstract,
     vjp=lambda g, out, x, repeats, axis: (repeat_interleave(g, repeats=repeats, axis=axis),),
-    linearity="all", shard="group_sum", lower="extern:group_sum")
+    linearity="all", shard="group_sum", lower="extern:group_sum", local=_group_sum_local)
 
 
 def _tri_abstract(x, diagonal):
@@ -328,12 +348,30 @@ def check_rows(idx, num: int, what: str = "index", unit: str = "rows",
                      f"an error, not counted from the end. {fix}")
 
 
+def _index_select_impl(w, idx):
+    return np.take(w, check_rows(idx, w.shape[0]).reshape(np.shape(idx)), axis=0)
+
+
+def _index_select_local(w, idx, *, in_blocks, out_block):
+    off, n = in_blocks[0].rows(0)
+    if n == in_blocks[0].shape[0]:
+        return _index_select_impl(w, idx)
+    if n == 0:  # an empty trailing shard holds none of the rows
+        return np.zeros(out_block.local_shape, w.dtype)
+    # vocab-parallel lookup: rows outside this block contribute zeros (Partial)
+    rel = check_rows(idx, in_blocks[0].shape[0]).reshape(np.shape(idx)) - off
+    hit = (rel >= 0) & (rel < n)
+    out = np.take(w, np.where(hit, rel, 0), axis=0)
+    out *= hit.reshape(hit.shape + (1,) * (w.ndim - 1))
+    return out
+
+
 index_select = defop(
-    "index_select",
-    impl=lambda w, idx: np.take(w, check_rows(idx, w.shape[0]).reshape(np.shape(idx)), axis=0),
+    "index_select", impl=_index_select_impl,
     abstract=lambda w, idx: Aval(tuple(idx.shape) + tuple(w.shape[1:]), w.dtype),
     vjp=lambda g, out, w, idx: (index_add(g, idx, w), None),
-    linearity="all", shard="index_select", lower="extern:take", nondiff=(1,))
+    linearity="all", shard="index_select", lower="extern:take", nondiff=(1,),
+    local=_index_select_local)
 
 
 def index_add_rows(g, idx, num):
@@ -365,12 +403,23 @@ def index_add_rows(g, idx, num):
 # (the forward's weight). ``like`` is a template: only its shape is read, and under DTensor the
 # result takes its layout (a vocab-parallel weight's gradient is summed where its rows live),
 # so the template never moves (meta "template").
+def _index_add_local(g, idx, like, *, in_blocks, out_block):
+    off, n = out_block.rows(0)
+    if n == 0:
+        return np.zeros(out_block.local_shape, g.dtype)
+    # vocab-parallel gradient: only the rows this rank holds
+    rel = check_rows(idx, out_block.shape[0]).reshape(np.shape(idx)) - off
+    hit = (rel >= 0) & (rel < n)
+    rows = g.reshape((idx.size,) + g.shape[idx.ndim:])[hit.reshape(-1)]
+    return index_add_rows(rows, rel[hit], n)
+
+
 index_add = defop(
     "index_add", impl=lambda g, idx, like: index_add_rows(g, idx, like.shape[0]),
     abstract=lambda g, idx, like: Aval((like.shape[0],) + tuple(g.shape[idx.ndim:]), g.dtype),
     vjp=lambda g2, out, g, idx, like: (index_select(g2, idx), None, None),
     linearity="all", shard="index_add", lower="extern:index_add", nondiff=(1, 2),
-    template=2)
+    local=_index_add_local, template=2)
 
 # ---------------------------------------------------------------- gather / scatter along a dim
 # torch.gather semantics: out[..., j] = x[..., idx[..., j]] along ``axis``.
@@ -392,11 +441,24 @@ def _gather_impl(x, idx, axis):
     return np.take_along_axis(x, idx, axis=axis)
 
 
+def _gather_local(x, idx, axis, *, in_blocks, out_block):
+    # Against the global size: under loss_parallel an index no block holds would give 0.
+    check_along(idx, in_blocks[0].shape[axis], axis, "gather")
+    off, n = in_blocks[0].rows(axis)
+    if n == in_blocks[0].shape[axis]:
+        return np.take_along_axis(x, idx, axis=axis)
+    if n == 0:
+        return np.zeros(out_block.local_shape, x.dtype)
+    rel = idx - off
+    hit = (rel >= 0) & (rel < n)
+    return np.take_along_axis(x, np.where(hit, rel, 0), axis=axis) * hit
+
+
 gather = defop(
     "gather", impl=_gather_impl,
     abstract=_gather_abstract,
     vjp=lambda g, out, x, idx, axis: (scatter_add(g, idx, x, axis=axis), None),
-    linearity="all", shard="gather", lower="extern:gather", nondiff=(1,))
+    linearity="all", shard="gather", lower="extern:gather", nondiff=(1,), local=_gather_local)
 
 
 def scatter_add_along(g, idx, axis, size):
@@ -420,6 +482,15 @@ def _scatter_add_impl(g, idx, like, axis):
     return scatter_add_along(g, idx, axis, like.shape[axis])
 
 
+def _scatter_add_local(g, idx, like, axis, *, in_blocks, out_block):
+    off, n = out_block.rows(axis)
+    if n == 0:
+        return np.zeros(out_block.local_shape, g.dtype)
+    rel = idx - off
+    hit = (rel >= 0) & (rel < n)
+    return scatter_add_along(g * hit, np.where(hit, rel, 0), axis, n)
+
+
 scatter_add = defop(
     "scatter_add", impl=_scatter_add_impl,
     abstract=lambda g, idx, like, axis: Aval(
@@ -427,22 +498,27 @@ scatter_add = defop(
               for d, n in enumerate(g.shape)), g.dtype),
     vjp=lambda g2, out, g, idx, like, axis: (gather(g2, idx, axis=axis), None, None),
     linearity="all", shard="scatter_add", lower="extern:scatter_add", nondiff=(1, 2),
-    template=2)
+    local=_scatter_add_local, template=2)
 
 # ---------------------------------------------------------------- random factories
 # Random values are a pure function of (key, global flat index): see dtensor/random.py. The
 # first input is a template whose shape (and, under DTensor, placements) the result takes; it
-# carries no data, so eager callers pass a broadcast view.
+# carries no data, so eager callers pass a broadcast view. On a block, the draws are those of
+# the block's global indices: every layout holds the numbers one process draws.
 
 rand = defop(
     "rand", impl=lambda like, key, dtype: _random.uniform(key, _flat_offsets(like.shape), dtype),
     abstract=lambda like, key, dtype: Aval(tuple(like.shape), np.dtype(dtype)),
-    shard="factory", lower="rand", nondiff=(0,))
+    shard="factory", lower="rand", nondiff=(0,),
+    local=lambda like, key, dtype, *, in_blocks, out_block: _random.uniform(
+        key, out_block.flat_offsets(), dtype))
 
 randn = defop(
     "randn", impl=lambda like, key, dtype: _random.normal(key, _flat_offsets(like.shape), dtype),
     abstract=lambda like, key, dtype: Aval(tuple(like.shape), np.dtype(dtype)),
-    shard="factory", lower="randn", nondiff=(0,))
+    shard="factory", lower="randn", nondiff=(0,),
+    local=lambda like, key, dtype, *, in_blocks, out_block: _random.normal(
+        key, out_block.flat_offsets(), dtype))
 
 
 def _flat_offsets(shape):

@@ -123,7 +123,7 @@ class LRScheduler:
         parameter stepped with another lr on one rank diverges silently. One small allgather
         of the state (arguments, lrs; a lambda by the lrs it gave), at construction only."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+        mesh = next((p.device_mesh for p in params if p.is_distributed), None)
         if mesh is not None and mesh.size() > 1:
             mesh.check_same(type(self).__name__, "Build the scheduler with the same arguments "
                                                  "on every rank.", state=self.state_dict())

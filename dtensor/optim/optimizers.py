@@ -144,7 +144,7 @@ class Optimizer:
         parameter stepped with another lr on one rank diverges silently (one small allgather,
         at construction only)."""
         params = [p for g in self.param_groups for p in g["params"]]
-        mesh = next((p.device_mesh for p in params if hasattr(p, "device_mesh")), None)
+        mesh = next((p.device_mesh for p in params if p.is_distributed), None)
         if mesh is None or mesh.size() == 1:
             return
         mesh.check_same(
@@ -430,12 +430,11 @@ class Optimizer:
             if not isinstance(v, TensorMethods):
                 raise TypeError(f"{where}[{name!r}] must be a tensor like the parameter "
                                 f"({_what(p)}), got {_show(v)} (type {type(v).__name__}).")
-            if (hasattr(v, "placements") != hasattr(p, "placements") or v.shape != p.shape
+            if (v.is_distributed != p.is_distributed or v.shape != p.shape
                     or v.dtype != p.dtype or
                     getattr(v, "placements", None) != getattr(p, "placements", None)):
-                layout = (f", placements {list(p.placements)}" if hasattr(p, "placements")
-                          else "")
-                got = (f", placements {list(v.placements)}" if hasattr(v, "placements") else "")
+                layout = f", placements {list(p.placements)}" if p.is_distributed else ""
+                got = f", placements {list(v.placements)}" if v.is_distributed else ""
                 raise ValueError(f"{where}[{name!r}] is {_what(v)}{got}, but its parameter is "
                                  f"{_what(p)}{layout}; pass the state of an optimizer over "
                                  f"the same parameters.")

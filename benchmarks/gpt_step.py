@@ -19,12 +19,22 @@ tracing, passes, codegen and the C compiler's run if its library was not cached,
 its graphs), and an eager twin of the model steps after each compiled step: ``speedup_vs_eager``
 is the median over steps of eager / compiled time.
 
+The GEMM floor: every matmul of this rank's step (shapes and transposed operands, recorded
+from an eager step, or read off the compiled graph under --no-twin), run by numpy alone between
+the steps, at the same moment on every rank; ``gemm_floor_s`` is the slowest rank's, and
+``ratio_to_gemm_floor`` the median over steps of the step's time over the faster of the floors
+timed just before and after it (1.0: nothing but the GEMMs). The model's size comes from flags,
+so cost can be read as the model grows; ``peak_rss_mb`` under ``--compile --no-twin`` is the
+compiled step's alone, to set beside an eager run's.
+
     python benchmarks/gpt_step.py                                  # standard workload
     python benchmarks/gpt_step.py --compile [--backend c]
     dtlaunch --nproc 1 benchmarks/gpt_step.py --compile --backend c  # as fast as plain python
     dtlaunch --nproc 2 benchmarks/gpt_step.py --tp 2
     dtlaunch --nproc 4 benchmarks/gpt_step.py --tp 2 --dp 2 --sp [--fsdp]
     dtlaunch --nproc 2 benchmarks/gpt_step.py --model llama --tp 2 [--compile]
+    dtlaunch --nproc 2 benchmarks/gpt_step.py --tp 2 --compile --backend c --n-layer 12 \
+        --n-embd 768 --n-head 12 --vocab 8192 --seq 256 --batch 4   # GPT-2 small's shape
 """
 from __future__ import annotations
 
@@ -65,6 +75,67 @@ def numpy_matmul_gflops(reps: int = 5) -> float:
             a @ b
         times.append((time.perf_counter() - t) / 10)
     return 2 * 1024 * 256 * 4096 / statistics.median(times) / 1e9
+
+
+def _gemm_operand(shape, transposed: bool) -> np.ndarray:
+    """A float32 operand of ``shape``, a transposed view (as x @ w.mT reads w) if so."""
+    rng = np.random.default_rng(0)
+    if not transposed or len(shape) < 2:
+        return rng.standard_normal(shape, dtype=np.float32)
+    return rng.standard_normal(shape[:-2] + shape[::-1][:2], dtype=np.float32).swapaxes(-1, -2)
+
+
+def record_gemms(step) -> list:
+    """(x shape, x transposed, y shape, y transposed) of every matmul one eager ``step()`` runs
+    on this rank (its blocks' shapes under DTensor)."""
+    op = dtensor.ops.OPS["matmul"]
+    impl, seen = op.impl, []
+
+    def transposed(a):
+        return a.ndim >= 2 and a.strides[-2] < a.strides[-1]
+
+    def recording(x, y, **kw):
+        seen.append((x.shape, transposed(x), y.shape, transposed(y)))
+        return impl(x, y, **kw)
+
+    op.impl = recording
+    try:
+        step()
+    finally:
+        op.impl = impl
+    return seen
+
+
+def graph_gemms(compiled) -> list:
+    """The same list read off the compiled step's steady-state graph (a matmul input that is a
+    permute of its last two dims is a transposed view)."""
+    out = []
+    if compiled._cache:
+        entry = list(compiled._cache.values())[-1]  # the first step's graph also makes state
+        for n in entry.graph.nodes:
+                if n.name != "matmul":
+                    continue
+                ops = []
+                for a in n.inputs[:2]:
+                    perm = a.params.get("axes") if getattr(a, "name", "") == "permute" else None
+                    flip = perm is not None and tuple(perm[-2:]) == (len(perm) - 1,
+                                                                     len(perm) - 2)
+                    ops += [tuple(a.shape), flip]
+                out.append(tuple(ops))
+    return out
+
+
+def gemm_floor(gemms: list, reps: int = 3) -> float:
+    """Seconds numpy takes for exactly these GEMMs, with this process's threads (the median of
+    ``reps``); every rank runs its own at the same moment, as in the step."""
+    pairs = [(_gemm_operand(xs, xt), _gemm_operand(ys, yt)) for xs, xt, ys, yt in gemms]
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for x, y in pairs:
+            x @ y
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def megatron_traffic(n_layer: int, width: int, sp_grads: tuple[int, int], batch: int, seq: int,
@@ -108,14 +179,16 @@ def megatron_traffic(n_layer: int, width: int, sp_grads: tuple[int, int], batch:
 
 
 def _model(args):
-    """The workload's config: the standard GPT, or a Llama of the same width and depth."""
+    """The workload's config: the standard GPT (by default), or a Llama of the same width and
+    depth (SwiGLU hidden 8/3 of the width, rounded up to 16: 688 at 256)."""
+    C = args.n_embd
     if args.model == "gpt":
         return dtensor.nn.GPT, dtensor.nn.GPTConfig(
-            vocab_size=4096, n_layer=4, n_embd=256, n_head=8, mlp_hidden=1024,
-            block_size=args.seq, bias=False, dropout=0.0)
+            vocab_size=args.vocab, n_layer=args.n_layer, n_embd=C, n_head=args.n_head,
+            mlp_hidden=4 * C, block_size=args.seq, bias=False, dropout=0.0)
     return dtensor.nn.Llama, dtensor.nn.LlamaConfig(
-        vocab_size=4096, dim=256, n_layers=4, n_heads=8, n_kv_heads=args.kv_heads,
-        hidden_dim=688, max_seq_len=args.seq)
+        vocab_size=args.vocab, dim=C, n_layers=args.n_layer, n_heads=args.n_head,
+        n_kv_heads=args.kv_heads, hidden_dim=-(-8 * C // 3 // 16) * 16, max_seq_len=args.seq)
 
 
 def _dims(cfg) -> tuple[int, int, int]:
@@ -138,7 +211,11 @@ def _sp_grads(cfg, seq: int) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt", choices=("gpt", "llama"))
-    ap.add_argument("--kv-heads", type=int, default=4, help="Llama's key/value heads (of 8)")
+    ap.add_argument("--kv-heads", type=int, default=4, help="Llama's key/value heads")
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256, help="width (GPT's MLP is 4x)")
+    ap.add_argument("--n-head", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
@@ -150,6 +227,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="run the step through dtensor.compile")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "c", "triton"),
                     help="dtensor.compile's code generator (with --compile)")
+    ap.add_argument("--no-twin", action="store_true",
+                    help="compiled: no eager twin, so peak_rss_mb is the compiled step's alone")
     args = ap.parse_args()
 
     Model, cfg = _model(args)
@@ -186,15 +265,25 @@ def main() -> None:
     run = dtensor.compile(train_step, backend=args.backend) if args.compile else train_step
     # Compiled: an eager twin (same seed, same layout) steps between the compiled steps, so
     # the speedup is a ratio of neighbouring steps, drift on this machine hitting both alike.
-    twin = build()[1] if args.compile else None
+    twin = build()[1] if args.compile and not args.no_twin else None
 
     def step() -> float:
         return run(idx, targets).item()
 
-    for _ in range(args.warmup):
-        step()
+    # The GEMM floor: this rank's step's own GEMMs (shapes and transposes), run by numpy alone.
+    gemms, floor_from = [], "eager step"
+    for i in range(args.warmup):
+        if i == 0 and not args.compile:
+            gemms = record_gemms(step)
+        else:
+            step()
         if twin:
-            twin(idx, targets).item()
+            if i == 0:
+                gemms = record_gemms(lambda: twin(idx, targets).item())
+            else:
+                twin(idx, targets).item()
+    if not gemms:
+        gemms, floor_from = graph_gemms(run), "compiled graph"
     from dtensor.comm import count_collectives
     # The machine's speed drifts (shared, noisy): the reference GEMM is timed between the steps,
     # and each step is compared with the faster of the references just before and after it.
@@ -204,7 +293,13 @@ def main() -> None:
             get_world().barrier()
         return numpy_matmul_gflops(reps=1)
 
-    times, logs, refs, eager = [], [], [reference()], []
+    def floor() -> float:
+        if world > 1:
+            from dtensor.comm import get_world
+            get_world().barrier()
+        return gemm_floor(gemms, reps=1)
+
+    times, logs, refs, eager, floors = [], [], [reference()], [], [floor()]
     for _ in range(args.steps):
         t = time.perf_counter()
         with count_collectives() as log:
@@ -212,6 +307,7 @@ def main() -> None:
         times.append(time.perf_counter() - t)
         logs.append(log.summary())
         refs.append(reference())
+        floors.append(floor())
         if twin:
             t = time.perf_counter()
             twin(idx, targets).item()
@@ -219,6 +315,13 @@ def main() -> None:
     if world > 1:  # the machine's GEMM rate: the sum over the ranks
         from dtensor.comm import get_world
         refs = get_world().all_reduce(np.array(refs)).tolist()
+        # the floor of a step all ranks run in lockstep: the slowest rank's GEMMs
+        mine = np.zeros((world, len(floors)))
+        mine[get_world().rank] = floors
+        floors = get_world().all_reduce(mine).max(axis=0).tolist()
+    # each step over the faster of the floors timed just before and after it: errs high
+    floor_ratio = statistics.median(t / min(floors[i], floors[i + 1])
+                                    for i, t in enumerate(times))
     matmul = statistics.median(refs)
     med = statistics.median(times)
     gflops = flops / med / 1e9
@@ -237,6 +340,8 @@ def main() -> None:
         "gflop_per_step": round(flops / 1e9, 2), "gflops": round(gflops, 1),
         "numpy_matmul_gflops": round(matmul, 1), "numpy_matmul_gflops_max": round(max(refs), 1),
         "ratio_to_matmul": round(ratio, 3), "ratio_of_medians": round(gflops / matmul, 3),
+        "gemm_floor_s": round(statistics.median(floors), 4), "gemms_per_step": len(gemms),
+        "gemm_floor_from": floor_from, "ratio_to_gemm_floor": round(floor_ratio, 3),
         # tracing + passes + codegen, summed over the graphs (the first step creates the
         # optimizer state, so it has a graph of its own)
         "compile_s": round(sum(e.compile_s for e in run._cache.values()), 3)

@@ -38,21 +38,29 @@ class Slot:
 @dataclass(eq=False)
 class Node:
     id: int
-    kind: str  # "input" | "op" | "comm"
-    name: str  # op name, "redistribute", or the input's label
+    kind: str  # "input" | "op" | "comm" (a redistribute's step), or a backend's kernel kind
+    name: str  # op name, collective name (all_gather, all_reduce ...), or the input's label
     inputs: list = field(default_factory=list)  # Node or constant
     params: dict = field(default_factory=dict)
     shape: tuple = ()
     dtype: Any = None
     fn: Callable | None = None  # what runs: impl, local kernel, or collective
-    note: str = ""  # placements, for printing
+    note: str = ""  # a pass's label, for printing
     buffer: int | None = None  # preallocated result buffer (compile/passes/memory.py)
     # "impl" (the op's impl), or "local" (its DTensor local kernel, on ``blocks``)
     variant: str = "impl"
     blocks: tuple | None = None  # (input Blocks, output Block) of a "local" op
+    # (input specs, output spec) of a DTensor op or a collective: mesh, placements, shape
+    specs: tuple | None = None
 
     def __repr__(self) -> str:
         return f"%{self.id}"
+
+
+def placements_text(specs) -> str:
+    """``[S(0),R] _``: each spec's placements (``_`` for an input that is not distributed)."""
+    return " ".join("[" + ",".join(map(repr, s.placements)) + "]" if s is not None else "_"
+                    for s in specs)
 
 
 def _arg(a) -> str:
@@ -76,10 +84,10 @@ class Graph:
     _next: int = 0
 
     def new(self, kind: str, name: str, inputs=(), params=None, shape=(), dtype=None, fn=None,
-            note: str = "", variant: str = "impl", blocks=None) -> Node:
+            note: str = "", variant: str = "impl", blocks=None, specs=None) -> Node:
         node = Node(self._next, kind, name, list(inputs), dict(params or {}), tuple(shape),
                     np.dtype(dtype) if dtype is not None else None, fn, note, None, variant,
-                    blocks)
+                    blocks, specs)
         self._next += 1
         (self.inputs if kind == "input" else self.nodes).append(node)
         return node
@@ -98,9 +106,11 @@ class Graph:
             lines.append(f"{n!r:>5} = input {str(n.name):28s} {n.shape} {n.dtype}")
         for n in self.nodes:
             args = " ".join(_arg(a) for a in n.inputs)
-            params = "" if n.kind == "comm" else " ".join(
-                f"{k}={v!r}" for k, v in n.params.items() if k != "ops")
+            params = " ".join(f"{k}={list(v) if isinstance(v, tuple) and n.kind == 'comm' else v!r}"
+                              for k, v in n.params.items() if k != "ops")
             text = f"{n.name} {args}" + (f" {params}" if params else "")
+            if n.specs is not None:
+                text += f" {placements_text(n.specs[0])} -> {placements_text([n.specs[1]])}"
             if n.note:
                 text += f" {n.note}"
             if n.buffer is not None:

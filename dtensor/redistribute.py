@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,8 +26,9 @@ from dtensor.ops import registry
 from dtensor.placements import (Partial, Placement, Replicate, Shard, StridedShard,
                                 check_strided_alone, shard_size_and_offset, strided_indices)
 
-__all__ = ["redistribute_local", "local_shape_and_offset", "local_indices", "index_runs",
-           "local_pieces", "transition_cost", "dim_extent"]
+__all__ = ["redistribute_local", "plan_redistribute", "run_step", "Step", "COLLECTIVES",
+           "local_shape_and_offset", "local_indices", "index_runs", "local_pieces",
+           "transition_cost", "dim_extent"]
 
 
 def dim_extent(shape, placements, mesh_shape, coord, d: int, upto: int) -> int:
@@ -111,27 +113,58 @@ def _debug(msg: str) -> None:
             print(f"[dtensor] {msg}", flush=True)
 
 
-def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...],
-                       donate: bool = False) -> np.ndarray:
-    """The local array of ``spec``'s tensor laid out as ``placements`` (same mesh and shape).
+class Step(NamedTuple):
+    """One move of a redistribute on this rank: a collective over mesh dim ``mesh_dim``
+    (all_gather, all_to_all, reduce_scatter, all_reduce) or a local one (shard: take this rank's
+    slice; zeros: a sum's partials on the ranks that do not keep it). ``params`` are the
+    collective's arguments (axis, sizes, op ...); ``after`` the layout once it is done."""
 
-    ``donate``: the caller never reads ``local`` again, so a reduction may overwrite it (the
-    compiler donates a partial sum's buffer that dies at its all-reduce)."""
-    mesh, shape = spec.mesh, spec.shape
-    src = tuple(spec.placements)
-    if src == tuple(placements):
-        return local
+    kind: str
+    mesh_dim: int
+    params: tuple  # (name, value) pairs, hashable
+    after: tuple
+
+    def __repr__(self) -> str:
+        args = " ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in self.params)
+        return (f"{self.kind}(mesh_dim={self.mesh_dim}{' ' + args if args else ''}) -> "
+                f"[{','.join(map(repr, self.after))}]")
+
+
+COLLECTIVES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
+_PLANS: dict = {}
+
+
+def plan_redistribute(spec, placements: tuple[Placement, ...]) -> tuple[Step, ...]:
+    """The steps that lay ``spec``'s tensor out as ``placements`` on this rank, from the table
+    above; none when nothing moves. Depends on layouts only, so it is cached."""
+    key = (spec, tuple(placements))
+    steps = _PLANS.get(key)
+    if steps is None:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        steps = _PLANS[key] = _plan(spec.mesh, spec.shape, tuple(spec.placements),
+                                    tuple(placements))
+    return steps
+
+
+def _plan(mesh, shape, src, placements) -> tuple[Step, ...]:
+    if src == placements:
+        return ()
     coord = mesh.get_coordinate()
     tgt = list(placements)
     # Over a mesh dim of one rank every transition is the identity: relabel, move nothing.
     cur = [t if n == 1 else p for p, t, n in zip(src, tgt, mesh.shape)]
-    if cur == tgt:
-        return local
-    if registry._trace is not None and type(local) is not np.ndarray:
-        return registry._trace.comm(local, spec, tuple(placements))
     nd = mesh.ndim
-    _debug(f"redistribute {tuple(shape)} {spec.dtype}: {list(src)} -> {list(placements)} "
-           f"({int(np.prod(shape)) * np.dtype(spec.dtype).itemsize} bytes)")
+    steps: list[Step] = []
+
+    def step(kind, m, placement, **params):
+        cur[m] = placement
+        steps.append(Step(kind, m, tuple(params.items()), tuple(cur)))
+
+    def sizes(d, m):  # each rank's length of tensor dim d when split over mesh dim m
+        ext = dim_extent(shape, cur, mesh.shape, coord, d, m)
+        return tuple(shard_size_and_offset(ext, mesh.shape[m], r)[0]
+                     for r in range(mesh.shape[m]))
 
     def shards(d, below):  # mesh dims > below that currently shard tensor dim d
         return [m for m in range(below + 1, nd) if cur[m] == Shard(d)]
@@ -139,19 +172,15 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
     def settled_outer(d, m):  # no outer mesh dim still has to split or unsplit tensor dim d
         return all((cur[o] == Shard(d)) == (tgt[o] == Shard(d)) for o in range(m))
 
-    # 0. Strided shards leave through Replicate (their dim is split by no other mesh dim).
+    # 0. Strided shards leave through Replicate (their dim is split by no other mesh dim): an
+    #    all_gather whose pieces are put back in part order.
     for m in range(nd):
         p = cur[m]
         if isinstance(p, StridedShard) and tgt[m] != p:
-            group = mesh.get_group(m)
-            whole = shape[p.dim]
-            gathered = group.all_gather(local, axis=p.dim, sizes=[
-                p.parts * shard_size_and_offset(whole // p.parts, group.size, r)[0]
-                for r in range(group.size)])
-            held = np.concatenate([strided_indices(whole, p.parts, group.size, r)
-                                   for r in range(group.size)])
-            local = np.take(gathered, np.argsort(held, kind="stable"), axis=p.dim)
-            cur[m] = Replicate()
+            whole, n = shape[p.dim], mesh.shape[m]
+            step("all_gather", m, Replicate(), axis=p.dim, sizes=tuple(
+                p.parts * shard_size_and_offset(whole // p.parts, n, r)[0] for r in range(n)),
+                parts=p.parts)
 
     # 1. Undo shards, innermost mesh dim first. A shard of the same tensor dim that changes on
     #    an outer mesh dim forces this inner one to be gathered too (outer dims split first).
@@ -162,42 +191,24 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
         outer_changes = any(p in (cur[o], tgt[o]) and cur[o] != tgt[o] for o in range(m))
         if tgt[m] == p and not outer_changes:
             continue
-        group = mesh.get_group(m)
-        d = p.dim
         if (isinstance(tgt[m], Shard) and not outer_changes and not shards(tgt[m].dim, m)
                 and settled_outer(tgt[m].dim, m)):
             j = tgt[m].dim
-            ext_d = dim_extent(shape, cur, mesh.shape, coord, d, m)
-            ext_j = dim_extent(shape, cur, mesh.shape, coord, j, m)
-            local = group.all_to_all(
-                local, split_axis=j, concat_axis=d,
-                split_sizes=[shard_size_and_offset(ext_j, group.size, r)[0]
-                             for r in range(group.size)],
-                concat_sizes=[shard_size_and_offset(ext_d, group.size, r)[0]
-                              for r in range(group.size)])
-            cur[m] = tgt[m]
+            step("all_to_all", m, tgt[m], split_axis=j, concat_axis=p.dim,
+                 split_sizes=sizes(j, m), concat_sizes=sizes(p.dim, m))
             continue
-        ext = dim_extent(shape, cur, mesh.shape, coord, d, m)
-        sizes = [shard_size_and_offset(ext, group.size, r)[0] for r in range(group.size)]
-        local = group.all_gather(local, axis=d, sizes=sizes)
-        cur[m] = Replicate()
+        step("all_gather", m, Replicate(), axis=p.dim, sizes=sizes(p.dim, m))
 
     # 2. Resolve pending reductions.
     for m in range(nd):
         p = cur[m]
         if not isinstance(p, Partial) or tgt[m] == p:
             continue
-        group = mesh.get_group(m)
         t = tgt[m]
         if isinstance(t, Shard) and not shards(t.dim, m) and settled_outer(t.dim, m):
-            ext = dim_extent(shape, cur, mesh.shape, coord, t.dim, m)
-            sizes = [shard_size_and_offset(ext, group.size, r)[0] for r in range(group.size)]
-            local = group.reduce_scatter(local, op=p.reduce_op, axis=t.dim, sizes=sizes)
-            cur[m] = t
+            step("reduce_scatter", m, t, op=p.reduce_op, axis=t.dim, sizes=sizes(t.dim, m))
         else:
-            mine = donate and local.flags.c_contiguous and local.flags.writeable
-            local = group.all_reduce(local, op=p.reduce_op, out=local if mine else None)
-            cur[m] = Replicate()
+            step("all_reduce", m, Replicate(), op=p.reduce_op)
 
     # 3. Shard and make partial locally, outermost mesh dim first.
     for m in range(nd):
@@ -206,20 +217,71 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
             continue
         assert isinstance(cur[m], Replicate), (cur, tgt)
         if isinstance(t, Shard):
-            ext = local.shape[t.dim]
-            n, off = shard_size_and_offset(ext, mesh.shape[m], coord[m])
-            piece = local[(slice(None),) * t.dim + (slice(off, off + n),)]
-            # The shard is a copy, never a window on the replicated value: a write to one must
-            # not reach the other. A read-only broadcast along the dim (a gradient of a sum,
-            # say) is the exception: its slice is the same broadcast, and copying it would
-            # write out every repeated element.
-            broadcast = not local.flags.writeable and local.strides[t.dim] == 0
-            local = piece if broadcast else piece.copy()
+            n, off = shard_size_and_offset(dim_extent(shape, cur, mesh.shape, coord, t.dim, m),
+                                           mesh.shape[m], coord[m])
+            step("shard", m, t, axis=t.dim, start=off, stop=off + n)
         elif isinstance(t, StridedShard):
-            local = np.take(local, strided_indices(local.shape[t.dim], t.parts, mesh.shape[m],
-                                                   coord[m]), axis=t.dim)
+            step("shard", m, t, axis=t.dim, parts=t.parts, whole=shape[t.dim])
         elif isinstance(t, Partial) and t.reduce_op == "sum" and coord[m] != 0:
-            # A replicated value as sum-partials: one rank keeps it, the others hold zeros.
-            local = np.zeros_like(local)
-        cur[m] = t
+            step("zeros", m, t)  # one rank keeps the value, the others hold zeros
+        else:
+            cur[m] = t
+            if steps:
+                steps[-1] = steps[-1]._replace(after=tuple(cur))
+    return tuple(steps)
+
+
+def run_step(local: np.ndarray, step: Step, mesh, donate: bool = False) -> np.ndarray:
+    """Carry out one step on this rank's array. ``donate``: the caller never reads ``local``
+    again, so an all_reduce may overwrite it."""
+    kind, p = step.kind, dict(step.params)
+    if kind == "shard":
+        if "parts" in p:
+            n, r = mesh.shape[step.mesh_dim], mesh.get_coordinate()[step.mesh_dim]
+            return np.take(local, strided_indices(p["whole"], p["parts"], n, r), axis=p["axis"])
+        piece = local[(slice(None),) * p["axis"] + (slice(p["start"], p["stop"]),)]
+        # The shard is a copy, never a window on the replicated value: a write to one must not
+        # reach the other. A read-only broadcast along the dim (a gradient of a sum, say) is
+        # the exception: its slice is the same broadcast, and copying it would write out every
+        # repeated element.
+        broadcast = not local.flags.writeable and local.strides[p["axis"]] == 0
+        return piece if broadcast else piece.copy()
+    if kind == "zeros":
+        return np.zeros_like(local)
+    group = mesh.get_group(step.mesh_dim)
+    if kind == "all_gather":
+        out = group.all_gather(local, axis=p["axis"], sizes=list(p["sizes"]))
+        if "parts" not in p:
+            return out
+        whole = sum(p["sizes"])
+        held = np.concatenate([strided_indices(whole, p["parts"], group.size, r)
+                               for r in range(group.size)])
+        return np.take(out, np.argsort(held, kind="stable"), axis=p["axis"])
+    if kind == "all_to_all":
+        return group.all_to_all(local, split_axis=p["split_axis"], concat_axis=p["concat_axis"],
+                                split_sizes=list(p["split_sizes"]),
+                                concat_sizes=list(p["concat_sizes"]))
+    if kind == "reduce_scatter":
+        return group.reduce_scatter(local, op=p["op"], axis=p["axis"], sizes=list(p["sizes"]))
+    mine = donate and local.flags.c_contiguous and local.flags.writeable
+    return group.all_reduce(local, op=p["op"], out=local if mine else None)
+
+
+def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...],
+                       donate: bool = False) -> np.ndarray:
+    """The local array of ``spec``'s tensor laid out as ``placements`` (same mesh and shape).
+
+    ``donate``: the caller never reads ``local`` again, so a reduction may overwrite it (the
+    compiler donates a partial sum's buffer that dies at its all-reduce)."""
+    steps = plan_redistribute(spec, tuple(placements))
+    if not steps:
+        return local
+    if registry._trace is not None and type(local) is not np.ndarray:
+        return registry._trace.comm(local, spec, steps)
+    _debug(f"redistribute {tuple(spec.shape)} {spec.dtype}: {list(spec.placements)} -> "
+           f"{list(placements)} ({int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize} "
+           f"bytes)")
+    for i, st in enumerate(steps):
+        # the arrays between steps are this function's own: a reduction may overwrite them
+        local = run_step(local, st, spec.mesh, donate=donate or i > 0)
     return local

@@ -13,6 +13,7 @@ runtime recomputes: random keys (``dtensor.random.next_key``) and optimizer scal
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 
@@ -149,11 +150,6 @@ def _unwrap(x):
     return x.node if type(x) is Traced else x
 
 
-def _spec_text(specs) -> str:
-    return " ".join("[" + ",".join(map(repr, s.placements)) + "]" if s is not None else "_"
-                    for s in specs)
-
-
 class Tracer:
     """Records a graph while active (``with Tracer() as t: ...``)."""
 
@@ -205,27 +201,23 @@ class Tracer:
             op.local, in_blocks=blocks[0], out_block=blocks[1])
         if not _contains_traced(locals_):  # constants only: compute now
             return run(*locals_, **params)
-        note = f"{_spec_text(in_specs)} -> {_spec_text([out_spec])}"
         return Traced(self.graph.new("op", op.name, [_unwrap(a) for a in locals_], params,
                                      _local_block(out_spec)[0], out_spec.dtype, fn=run,
-                                     note=note, variant="impl" if blocks is None else "local",
-                                     blocks=blocks))
+                                     variant="impl" if blocks is None else "local",
+                                     blocks=blocks, specs=(tuple(in_specs), out_spec)))
 
-    def comm(self, local, spec, placements):
-        """One redistribute of a block: collectives chosen by the transition table."""
-        from dataclasses import replace
-
+    def comm(self, local, spec, steps):
+        """One redistribute of a block: a node per step of its plan, each collective by name
+        (all_gather, all_reduce ...) with the layout it leaves."""
         from dtensor.dtensor import _local_block
-        from dtensor.redistribute import redistribute_local
-        dst = replace(spec, placements=tuple(placements))
-        note = f"{_spec_text([spec])} -> {_spec_text([dst])}"
-        return Traced(self.graph.new(
-            "comm", "redistribute", [_unwrap(local)], {"spec": spec, "placements": dst.placements},
-            _local_block(dst)[0], spec.dtype,
-            fn=functools.partial(_redistribute, spec=spec, placements=dst.placements,
-                                 impl=redistribute_local), note=note))
-
-
-def _redistribute(x, *, spec, placements, impl, donate=False):
-    return impl(x, spec, placements, donate=donate)
-
+        from dtensor.redistribute import run_step
+        node, before = _unwrap(local), spec
+        for st in steps:
+            out = replace(spec, placements=st.after)
+            node = self.graph.new(
+                "comm", st.kind, [node], {"mesh_dim": st.mesh_dim, **dict(st.params)},
+                _local_block(out)[0], spec.dtype,
+                fn=functools.partial(run_step, step=st, mesh=spec.mesh),
+                specs=((before,), out))
+            before = out
+        return Traced(node)

@@ -179,21 +179,27 @@ def test_block_graph_holds_megatron_collectives(sp, rank):
 
     compiled = dtensor.compile(fwd_bwd)
     y = compiled(x)
-    text = str(compiled.last.graph)
-    comms = [line for line in text.splitlines() if " redistribute " in line
-             or " all_reduce_bucket " in line]
-    kinds = ["all_gather" if "[S(1)] -> [R]" in c else "reduce_scatter" if "[P(sum)] -> [S(1)]"
-             in c else "all_reduce" if "[P(sum)] -> [R]" in c else "bucket" if "bucket" in c
-             else "other" for c in comms]
+    graph = compiled.last.graph
+    text = str(graph)
+    # the graph names each collective, with the layout it leaves
+    comms = [n for n in graph.nodes if n.kind == "comm"]
+    kinds = [n.name for n in comms]
     if sp:
         # ... and the four LayerNorm weight gradients (Partial over sequence shards, stored
         # Replicate) merged into one all-reduce bucket.
         assert kinds == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter",
                          "all_gather", "reduce_scatter", "all_gather", "reduce_scatter",
-                         "bucket"], text
-        assert "4 gradients" in comms[-1]
+                         "all_reduce_bucket"], text
+        assert comms[0].specs[1].placements == (Replicate(),), text
+        assert comms[1].specs[1].placements == (Shard(1),), text
+        assert "4 gradients" in comms[-1].note
+        assert (f"%{comms[0].id} = all_gather %{comms[0].inputs[0].id} mesh_dim=0 axis=1 "
+                f"sizes=[8, 8] [S(1)] -> [R] ") in text, text
     else:
         assert kinds == ["all_reduce"] * 4, text
+        for n in comms:
+            assert (f"%{n.id} = all_reduce %{n.inputs[0].id} mesh_dim=0 op='sum' [P(sum)] -> "
+                    f"[R] ") in text, text
     # The forward's all-reduces follow the row-parallel matmuls; values match eager.
     dtensor.manual_seed(0)
     np.testing.assert_allclose(full(y), full(block(x)), rtol=1e-6, atol=1e-6)
@@ -333,6 +339,8 @@ def test_a_sharded_broadcast_moves_nothing_and_dying_partials_reduce_in_place(ra
 def test_two_split_broadcasts_meeting_keep_the_shape():
     """Two split broadcasts added together: reading both (rows, 1) sources would shrink the add
     to (rows, 1), so one of them stays a full-shape broadcast_to view."""
+    from dataclasses import replace
+
     from dtensor.graph import Graph
     from dtensor.compile.passes import shard_broadcasts
     from dtensor.dtensor import DTensorSpec
@@ -346,8 +354,9 @@ def test_two_split_broadcasts_meeting_keep_the_shape():
         col = g.new("input", name, shape=(4, 1), dtype=np.float64)
         wide = g.new("op", "broadcast_to", [col], {"shape": (4, 6)}, (4, 6), np.float64,
                      fn=OPS["broadcast_to"].impl)
-        split.append(g.new("comm", "redistribute", [wide],
-                           {"spec": spec, "placements": (Shard(1),)}, (4, 6), np.float64))
+        split.append(g.new("comm", "shard", [wide],
+                           {"mesh_dim": 0, "axis": 1, "start": 0, "stop": 6}, (4, 6),
+                           np.float64, specs=((spec,), replace(spec, placements=(Shard(1),)))))
     total = g.new("op", "add", split, {}, (4, 6), np.float64, fn=OPS["add"].impl)
     g.outputs = [total]
     shard_broadcasts(g)

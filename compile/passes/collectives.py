@@ -8,53 +8,45 @@ import numpy as np
 
 from dtensor.graph import Graph, Node
 from dtensor.ops.registry import OPS
-from dtensor.placements import Partial, Replicate, Shard
 
 BUCKET_BYTES = 25 << 20  # as PyTorch DDP's default bucket cap
 
 
 def _all_reduce_dim(n: Node):
-    """The mesh dim of a redistribute that is exactly one Partial(sum) -> Replicate, else None."""
-    if n.kind != "comm":
-        return None
-    src, dst = n.params["spec"].placements, n.params["placements"]
-    changed = [m for m, (a, b) in enumerate(zip(src, dst)) if a != b]
-    if len(changed) == 1 and src[changed[0]] == Partial("sum") and dst[changed[0]] == Replicate():
-        return changed[0]
+    """The mesh dim of a sum all_reduce (Partial(sum) -> Replicate), else None."""
+    if n.kind == "comm" and n.name == "all_reduce" and n.params["op"] == "sum":
+        return n.params["mesh_dim"]
     return None
 
 
 def shard_broadcasts(graph: Graph) -> Graph:
-    """A Replicate -> Shard redistribute of a broadcast along the split dims (the gradient of a
-    sum over a sharded dim: a (rows, 1) column broadcast to (rows, vocab)) moves no data: each
-    rank broadcasts the source to its own block. Pointwise users with another full-shape input
-    that stays full read the source as it is (they broadcast it themselves, and a fused kernel
-    reads it by its strides); otherwise the redistribute becomes a broadcast_to view. Eager
-    slices the broadcast view, which is no copy either."""
+    """A shard (Replicate -> Shard) of a broadcast along the split dim (the gradient of a sum
+    over a sharded dim: a (rows, 1) column broadcast to (rows, vocab)) moves no data: each rank
+    broadcasts the source to its own block. Pointwise users with another full-shape input that
+    stays full read the source as it is (they broadcast it themselves, and a fused kernel reads
+    it by its strides); otherwise the shard becomes a broadcast_to view. Eager slices the
+    broadcast view, which is no copy either."""
     from dtensor.compile.passes.fusion import pointwise_op
     users = graph.users()
     outputs = {o.id for o in graph.outputs if isinstance(o, Node)}
-    new: dict[int, object] = {}  # redistribute id -> what replaces it
+    new: dict[int, object] = {}  # shard id -> what replaces it
 
     def resolve(a):
         while isinstance(a, Node) and a.id in new and new[a.id] is not a:
             a = new[a.id]
         return a
 
-    def source(n):  # the broadcast's source if n is such a redistribute, else None
-        src = n.inputs[0] if n.kind == "comm" and n.inputs else None
+    def source(n):  # the broadcast's source if n is such a shard, else None
+        if not (n.kind == "comm" and n.name == "shard" and "parts" not in n.params):
+            return None
+        src = resolve(n.inputs[0])
         if not (isinstance(src, Node) and src.kind == "op" and src.name == "broadcast_to"
                 and src.variant == "impl"):
             return None
-        changed = [(a, b) for a, b in zip(n.params["spec"].placements, n.params["placements"])
-                   if a != b]
         base = resolve(src.inputs[0])
         shape = tuple(base.shape if isinstance(base, Node) else np.shape(base))
         padded = (1,) * (len(src.shape) - len(shape)) + shape
-        if changed and all(isinstance(a, Replicate) and isinstance(b, Shard)
-                           and padded[b.dim] == 1 for a, b in changed):
-            return base
-        return None
+        return base if padded[n.params["axis"]] == 1 else None
 
     candidates = {n.id for n in graph.nodes if source(n) is not None}
 
@@ -64,7 +56,7 @@ def shard_broadcasts(graph: Graph) -> Graph:
             and tuple(a.shape) == u.shape for a in u.inputs if isinstance(a, (Node, np.ndarray)))
 
     for i, n in enumerate(graph.nodes):
-        base = source(n) if n.id in candidates else None
+        base = source(n)  # a shard of an earlier one's replacement too (two mesh dims)
         if base is None:
             continue
         if n.id not in outputs and all(reads_broadcast(u, n) for u in users.get(n.id, ())):
@@ -117,7 +109,7 @@ def bucket_all_reduces(graph: Graph) -> Graph:
         m = _all_reduce_dim(n)
         if m is None:
             continue
-        k = (n.params["spec"].mesh, m, n.dtype)
+        k = (n.specs[1].mesh, m, n.dtype)
         nbytes = int(np.prod(n.shape)) * n.dtype.itemsize
         if cur and (k != key or i >= deadline or size + nbytes > BUCKET_BYTES):
             buckets.append(cur)
@@ -137,7 +129,7 @@ def bucket_all_reduces(graph: Graph) -> Graph:
             continue
         members = [n for _, n in b]
         m = _all_reduce_dim(members[0])
-        start_fn, wait_fn = _bucket_fns(members[0].params["spec"].mesh.get_group(m),
+        start_fn, wait_fn = _bucket_fns(members[0].specs[1].mesh.get_group(m),
                                         [n.shape for n in members])
         start = Node(graph._next, "comm", "all_reduce_bucket", [n.inputs[0] for n in members],
                      {}, (), members[0].dtype, fn=start_fn,

@@ -78,7 +78,7 @@ def _donate_to_collectives(graph: Graph) -> None:
     lifetime the plan already extends over the collective's result (see ``root`` above)."""
     users = graph.users()
     for n in graph.nodes:
-        a = n.inputs[0] if n.kind == "comm" and n.name == "redistribute" else None
+        a = n.inputs[0] if n.kind == "comm" and n.name == "all_reduce" else None
         while (isinstance(a, Node) and len(users.get(a.id, ())) == 1 and a.buffer is None
                and a.kind == "op" and a.name in VIEW_OPS):
             a = a.inputs[0]

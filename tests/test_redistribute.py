@@ -149,3 +149,50 @@ def test_shards_copy_the_replicated_value_except_a_broadcast(rank):
             want = np.split(np.asarray(src), 2, axis=dim)[rank]
             np.testing.assert_array_equal(got, want)
             assert np.shares_memory(got, src) == (not src.flags.writeable and dim == 1)
+
+
+# (mesh shape, src, dst, the plan printed on rank 1: one named step per move)
+PLANS = [
+    ((4,), (Shard(0),), (Replicate(),),
+     ["all_gather(mesh_dim=0 axis=0 sizes=[2, 2, 1, 0]) -> [R]"]),
+    ((4,), (Partial(),), (Shard(0),),
+     ["reduce_scatter(mesh_dim=0 op=sum axis=0 sizes=[2, 2, 1, 0]) -> [S(0)]"]),
+    ((4,), (Replicate(),), (Shard(0),), ["shard(mesh_dim=0 axis=0 start=2 stop=4) -> [S(0)]"]),
+    ((4,), (Replicate(),), (Partial(),), ["zeros(mesh_dim=0) -> [P(sum)]"]),
+    ((4,), (Shard(0),), (Shard(1),),
+     ["all_to_all(mesh_dim=0 split_axis=1 concat_axis=0 split_sizes=[1, 1, 1, 0] "
+      "concat_sizes=[2, 2, 1, 0]) -> [S(1)]"]),
+    # two mesh dims: the inner shard is gathered first, then the partial reduced
+    ((2, 2), (Partial(), Shard(0)), (Replicate(), Replicate()),
+     ["all_gather(mesh_dim=1 axis=0 sizes=[3, 2]) -> [P(sum),R]",
+      "all_reduce(mesh_dim=0 op=sum) -> [R,R]"]),
+    ((2, 2), (Shard(0), Shard(0)), (Replicate(), Shard(0)),
+     ["all_gather(mesh_dim=1 axis=0 sizes=[2, 1]) -> [S(0),R]",
+      "all_gather(mesh_dim=0 axis=0 sizes=[3, 2]) -> [R,R]",
+      "shard(mesh_dim=1 axis=0 start=3 stop=5) -> [R,S(0)]"]),
+]
+
+
+@pytest.mark.ranks(4)
+@pytest.mark.parametrize("shape,src,dst,expect", PLANS,
+                         ids=[f"{p[1]}->{p[2]}" for p in PLANS])
+def test_plan_names_each_step(rank, shape, src, dst, expect):
+    """A redistribute is a plan of named steps (printed as the compiled graph prints them),
+    and running it gives the tensor in the new layout."""
+    from dataclasses import replace
+
+    from dtensor.redistribute import plan_redistribute
+    mesh = dtensor.init_device_mesh("cpu", shape)
+    # X laid out as src: a Partial mesh dim holds X / its size on each rank
+    parts = np.prod([n for n, p in zip(shape, src) if isinstance(p, Partial)])
+    whole = tuple(Replicate() if isinstance(p, Partial) else p for p in src)
+    t = DTensor.from_local(distribute_tensor(X / parts, mesh, whole).to_local().numpy(), mesh,
+                           src, shape=X.shape)
+    steps = plan_redistribute(t._spec, dst)
+    if rank == 1:
+        assert [repr(s) for s in steps] == expect
+    out = t.redistribute(mesh, dst)
+    want = replace(t._spec, placements=tuple(dst))
+    if Partial() not in dst:
+        np.testing.assert_allclose(out.full_tensor().numpy(), X, rtol=1e-12)
+    assert out._spec == want

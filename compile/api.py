@@ -217,8 +217,10 @@ class _Entry:
     def __call__(self, args, kwargs):
         inputs = [feed(args, kwargs) for feed in self.feeds]
         slots = [make() for make in self.graph.slots]
-        if self.buffers is None:  # the memory plan's buffers, allocated on the first call
-            self.buffers = [np.empty(shape, dtype) for shape, dtype in self.graph.buffers]
+        if self.buffers is None:  # the memory plan's arena, allocated on the first call
+            arena = np.empty(self.graph.arena_bytes, np.uint8)
+            self.buffers = [np.ndarray(shape, dtype, buffer=arena, offset=off)
+                            for shape, dtype, off in self.graph.buffers]
         outs = self.run_fn(inputs, slots, self.tables["F"], self.tables["K"], self.buffers)
         values = []
         for wb, arr in zip(self.writebacks, outs):

@@ -329,9 +329,9 @@ void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off,
     }
 }
 
-static inline void dt_adamw_rows_S(const T *restrict p, const T *restrict g,
-                                    const T *restrict m, const T *restrict v, T *restrict po,
-                                    T *restrict mo, T *restrict vo, int64_t n, const T *k) {
+/* p, m, v may be po, mo, vo themselves (an update in place): no restrict on those. */
+static inline void dt_adamw_rows_S(const T *p, const T *restrict g, const T *m, const T *v,
+                                    T *po, T *mo, T *vo, int64_t n, const T *k) {
     T b1 = k[0], c1 = k[1], b2 = k[2], c2 = k[3], eps = k[4], step = k[5], decay = k[6];
     for (int64_t i = 0; i < n; i++) {
         T mi = m[i] * b1 + g[i] * c1;
@@ -818,12 +818,12 @@ class _AdamWGroup:
         cuts = sorted(set(min(c, len(self.sizes)) for c in cuts + [len(self.sizes)]))
         self.ranges = list(zip(cuts[:-1], cuts[1:]))
 
-    def __call__(self, *arrays, each=(), out=None, **hp):
-        from dtensor.compile.numpy_backend import adamw_table
+    def __call__(self, *arrays, each=(), out=None, in_place=False, **hp):
+        from dtensor.compile.numpy_backend import adamw_table, update_target
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the call
         tab = np.array([_ptr(a) for a in arrays], np.int64)
         hps = adamw_table(hp, len(self.sizes), np.float64)
-        out = np.empty((3, self.total), self.dtype) if out is None else out
+        out = update_target(arrays, self.sizes, in_place) if out is None else out
         head = (_ptr(tab), _ptr(self.sizes), _ptr(self.offsets), _ptr(hps), _ptr(out),
                 self.total)
         _parallel(self.fn, [head + r for r in self.ranges])

@@ -103,12 +103,14 @@ def load(source: str):
     return mod.run, path
 
 
-def adamw_group(*arrays, sizes, each=(), **hp):
+def adamw_group(*arrays, sizes, each=(), out=None, in_place=False, **hp):
     """The AdamW update of several parameters (inputs p, g, m, v of each in turn) into one
     (3, total) array: parameter j's new value, m and v are columns offset_j: offset_j + size_j.
-    Hyperparameters named in ``each`` come per parameter, as ``name_j``."""
+    Hyperparameters named in ``each`` come per parameter, as ``name_j``. ``in_place``: into
+    the array p, m and v are views of, if they are (update_target)."""
     from dtensor.ops.nn import adamw_update
-    out = np.empty((3, sum(sizes)), arrays[0].dtype)
+    if out is None:
+        out = update_target(arrays, sizes, in_place)
     shared = {k: v for k, v in hp.items() if k in ADAMW_HYPERPARAMETERS}
     offset = 0
     for j, size in enumerate(sizes):
@@ -117,6 +119,31 @@ def adamw_group(*arrays, sizes, each=(), **hp):
         offset += size
     return out
 
+
+adamw_group.accepts_out = True
+
+
+def update_target(arrays, sizes, in_place: bool) -> np.ndarray:
+    """Where an adamw_group writes: the (3, total) array its parameters and moments are views
+    of at their own columns (the last step's result, when the memory plan allows it in place:
+    each element is read before it is written, at the same place), else a new one."""
+    total, dtype = sum(sizes), arrays[0].dtype
+    if in_place and arrays:
+        base = arrays[0]
+        while base.base is not None:
+            base = base.base
+        if isinstance(base, np.ndarray) and base.shape == (3, total) and base.dtype == dtype:
+            start, item, offset = base.ctypes.data, dtype.itemsize, 0
+            for j, size in enumerate(sizes):
+                p, m, v = arrays[4 * j], arrays[4 * j + 2], arrays[4 * j + 3]
+                if not all(a.flags.c_contiguous and a.size == size and a.dtype == dtype
+                           and a.ctypes.data == start + (row * total + offset) * item
+                           for row, a in enumerate((p, m, v))):
+                    break
+                offset += size
+            else:
+                return base
+    return np.empty((3, total), dtype)
 
 # adamw_step's params, in the order of the generated group kernels' hyperparameter table.
 ADAMW_HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")

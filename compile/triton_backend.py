@@ -555,13 +555,13 @@ class _AdamWGroup:
         self.source = PRELUDE + ADAMW_GROUP
         self.mod, self.path = _load(self.source)
 
-    def __call__(self, *arrays, each=(), out=None, **hp):
-        from dtensor.compile.numpy_backend import adamw_table
+    def __call__(self, *arrays, each=(), out=None, in_place=False, **hp):
+        from dtensor.compile.numpy_backend import adamw_table, update_target
         from dtensor.compile.triton_adapter import as_triton_arg
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the launch
         tables = [np.array([a.ctypes.data for a in arrays[k::4]], np.int64) for k in range(4)]
         hp_tab = adamw_table(hp, len(self.sizes), np.float32)
-        out = np.empty((3, self.total), np.float32) if out is None else out
+        out = update_target(arrays, self.sizes, in_place) if out is None else out
         if len(self.chunk_tensor):
             self.mod.kernel[(len(self.chunk_tensor),)](
                 *[as_triton_arg(t) for t in tables], as_triton_arg(self.size_tab),

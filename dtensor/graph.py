@@ -80,7 +80,8 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     outputs: list = field(default_factory=list)  # Node or constant
     slots: list = field(default_factory=list)  # runtime slot makers, by Slot.index
-    buffers: list = field(default_factory=list)  # (shape, dtype) of each planned buffer
+    buffers: list = field(default_factory=list)  # (shape, dtype, arena offset) of each buffer
+    arena_bytes: int = 0  # the memory plan's arena, which holds every planned buffer
     _next: int = 0
 
     def new(self, kind: str, name: str, inputs=(), params=None, shape=(), dtype=None, fn=None,

@@ -123,6 +123,65 @@ def _assert_one_adamw_update(run):
     assert parts == len(run.last.graph.nodes[names.index("adamw_group")].params["sizes"]) > 10
 
 
+def _root(a):
+    while a.base is not None:
+        a = a.base
+    return a
+
+
+def _adamw_run(backend, read_after=False, steps=4):
+    """Parameters after ``steps`` AdamW steps of a small GPT (eager: backend None), the root
+    array of lm_head's weight after each step, and the last graph."""
+    dtensor.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL))
+    opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (2, 8))
+
+    def step():
+        _, loss = model(x, x)
+        loss.backward()
+        old = model.lm_head.weight.detach()  # the value before the update
+        opt.step()
+        opt.zero_grad()
+        return (loss, old * 1.0) if read_after else loss  # read after it
+
+    run = dtensor.compile(step, backend=backend) if backend else step
+    roots = []
+    for _ in range(steps):
+        run()
+        roots.append(_root(model.lm_head.weight.data))
+    params = {k: p.numpy().copy() for k, p in model.named_parameters()}
+    return params, roots, run.last.graph if backend else None
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_adamw_updates_parameters_in_place(backend, monkeypatch):
+    """From the second step on, the AdamW group writes the new parameters and moments over the
+    last step's (they are views of its result): no fresh copy of every parameter each step,
+    and bit for bit what the same kernels give into a new array."""
+    params, roots, graph = _adamw_run(backend)
+    group = next(n for n in graph.nodes if n.name == "adamw_group")
+    assert group.params.get("in_place") is True
+    assert roots[1] is roots[2] is roots[3]  # steps 2-4 run the steady graph, in place
+    from dtensor.compile.passes import memory
+    monkeypatch.setattr(memory, "_updates_in_place", lambda *a: False)
+    fresh, fresh_roots, _ = _adamw_run(backend)
+    assert fresh_roots[2] is not fresh_roots[3]
+    for k in params:
+        np.testing.assert_array_equal(params[k], fresh[k], err_msg=k)
+
+
+def test_adamw_keeps_a_copy_when_a_parameter_is_read_after_its_update():
+    """A step that reads a parameter's old value after the update: no update in place, and the
+    values (the parameters and what was read) equal eager's."""
+    params, roots, graph = _adamw_run("numpy", read_after=True)
+    group = next(n for n in graph.nodes if n.name == "adamw_group")
+    assert "in_place" not in group.params and roots[2] is not roots[3]
+    eager, _, _ = _adamw_run(None, read_after=True)
+    for k in params:
+        np.testing.assert_allclose(params[k], eager[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
 LAYOUTS = [
     pytest.param(2, 1, id="tp2", marks=pytest.mark.ranks(2, timeout=300)),
     pytest.param(4, 1, id="tp4", marks=pytest.mark.ranks(4, timeout=300)),

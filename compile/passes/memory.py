@@ -1,9 +1,13 @@
 """Static memory plan: results of out= capable nodes (ufuncs, matmul) go to preallocated
-buffers, reused across nodes and calls when their values are dead.
+buffers, placed in one arena of bytes and reused across nodes and calls when their values are
+dead.
 
 A buffer is busy from the node that writes it to the last use of its value or of any view of
 it (reshape, permute, getitem, broadcast_to, a collective that may hand its input back, a
-bucket part); values the graph returns never get one, because they outlive the call.
+bucket part); values the graph returns never get one, because they outlive the call. Buffers
+are placed by liveness, not by shape: a dead value's bytes serve the next value of any shape
+(best fit, freed neighbours merged), so the arena is about the most bytes live at once, as
+eager's allocator holds, not one pool per shape.
 """
 from __future__ import annotations
 
@@ -49,26 +53,76 @@ def plan_memory(graph: Graph) -> Graph:
                 end[r] = max(end.get(r, -1), i)
         end.setdefault(root[n.id], index[n.id])
     escaping = {root.get(o.id, o.id) for o in graph.outputs if isinstance(o, Node)}
-    free: dict[tuple, list[int]] = {}
-    busy: list[tuple[int, int, tuple]] = []  # (end index, buffer, key)
+    users = graph.users()
+    arena = _Arena()
+    busy: list[tuple[int, int, int]] = []  # (end index, offset, bytes)
     graph.buffers = []
     for i, n in enumerate(graph.nodes):
         still = []
-        for e, b, key in busy:  # a buffer whose last reader ran before node i is free again
-            (free.setdefault(key, []).append(b) if e < i else still.append((e, b, key)))
+        for e, off, size in busy:  # a buffer whose last reader ran before node i is free again
+            (arena.free(off, size) if e < i else still.append((e, off, size)))
         busy = still
+        if n.name == "adamw_group" and _updates_in_place(n, i, graph, users):
+            n.params["in_place"] = True
         if n.id in escaping or not _out_capable(n):
             continue
-        key = (tuple(n.shape), n.dtype.str)
-        if free.get(key):
-            b = free[key].pop()
-        else:
-            b = len(graph.buffers)
-            graph.buffers.append((tuple(n.shape), n.dtype))
-        n.buffer = b
-        busy.append((end[n.id], b, key))
+        size = -(-max(1, int(np.prod(n.shape)) * n.dtype.itemsize) // _ALIGN) * _ALIGN
+        off = arena.take(size)
+        n.buffer = len(graph.buffers)
+        graph.buffers.append((tuple(n.shape), n.dtype, off))
+        busy.append((end[n.id], off, size))
+    graph.arena_bytes = arena.top
     _donate_to_collectives(graph)
     return graph
+
+
+def _updates_in_place(n: Node, i: int, graph: Graph, users: dict) -> bool:
+    """Whether an adamw_group may write over its parameter and moment inputs: no node reads
+    them after it. Its result's parts become the parameters and moments, so from the second
+    step on they are views of the last result, which the group then updates in place
+    (numpy_backend.update_target) instead of making a fresh copy of every parameter and
+    moment each step."""
+    index = {m.id: j for j, m in enumerate(graph.nodes)}
+    state = [a for j, a in enumerate(n.inputs) if j % 4 != 1 and isinstance(a, Node)]
+    return (all(a.kind == "input" for a in state)
+            and all(index[u.id] <= i for a in state for u in users.get(a.id, ())))
+
+
+_ALIGN = 64  # a cache line: every buffer starts on one, as malloc's large blocks do
+
+
+class _Arena:
+    """Offsets in one block of bytes: best-fit among the free ranges, else the top grows (into
+    a free range that ends there)."""
+
+    def __init__(self):
+        self.top = 0
+        self.holes: list[list[int]] = []  # [offset, bytes], by offset, never adjacent
+
+    def take(self, size: int) -> int:
+        fits = [h for h in self.holes if h[1] >= size]
+        if fits:
+            h = min(fits, key=lambda h: h[1])
+            off = h[0]
+            h[0], h[1] = h[0] + size, h[1] - size
+            if not h[1]:
+                self.holes.remove(h)
+            return off
+        if self.holes and sum(self.holes[-1]) == self.top:  # grow the free range at the top
+            off = self.holes.pop()[0]
+        else:
+            off = self.top
+        self.top = off + size
+        return off
+
+    def free(self, off: int, size: int) -> None:
+        holes = self.holes
+        k = next((j for j, h in enumerate(holes) if h[0] > off), len(holes))
+        holes.insert(k, [off, size])
+        if k + 1 < len(holes) and off + size == holes[k + 1][0]:  # merge with the next
+            holes[k][1] += holes.pop(k + 1)[1]
+        if k and sum(holes[k - 1]) == off:  # and with the previous
+            holes[k - 1][1] += holes.pop(k)[1]
 
 
 def _donate_to_collectives(graph: Graph) -> None:

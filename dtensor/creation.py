@@ -7,13 +7,14 @@ DTensor versions (``dtensor.zeros(8, 4, device_mesh=mesh, placements=[Shard(0)])
 from __future__ import annotations
 
 import functools
-import importlib
+
+from dtensor.tensor import full, ones, rand, randn, zeros
 
 __all__ = ["zeros", "ones", "full", "rand", "randn"]
 
 
-def _factory(name: str):
-    plain = getattr(importlib.import_module("dtensor.tensor"), name)
+def _factory(plain):
+    name = plain.__name__
 
     @functools.wraps(plain)
     def make(*args, device_mesh=None, placements=None, **kwargs):
@@ -23,8 +24,9 @@ def _factory(name: str):
             raise ValueError(f"{name}: pass both device_mesh= and placements= for a DTensor "
                              f"(got device_mesh={device_mesh!r}, placements={placements!r}).")
         # loaded on first use, as dtensor's other distributed names: plain users never need it
-        distributed = getattr(importlib.import_module("dtensor.dtensor"), name)
-        return distributed(*args, device_mesh=device_mesh, placements=placements, **kwargs)
+        from dtensor import dtensor as dt
+        return getattr(dt, name)(*args, device_mesh=device_mesh, placements=placements,
+                                 **kwargs)
 
     make.__doc__ = (f"{plain.__doc__ or f'dtensor.{name}.'}\n\n    With ``device_mesh=`` and "
                     f"``placements=``, a DTensor: each rank allocates only its block, and "
@@ -32,4 +34,4 @@ def _factory(name: str):
     return make
 
 
-zeros, ones, full, rand, randn = map(_factory, __all__)
+zeros, ones, full, rand, randn = map(_factory, (zeros, ones, full, rand, randn))

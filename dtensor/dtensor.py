@@ -67,8 +67,13 @@ _BLOCKS: dict = {}
 def block_of(spec: DTensorSpec) -> Block:
     """Where this rank's block of ``spec`` sits: what an op's local kernel reads."""
     shape, offset = _local_block(spec)
+    parts = [None] * len(spec.shape)
+    for p in spec.placements:
+        if isinstance(p, StridedShard):
+            parts[p.dim] = p.parts
     return Block(spec.shape, tuple(shape), tuple(offset), tuple(local_indices(
-        spec.shape, spec.placements, spec.mesh.shape, spec.mesh.get_coordinate())))
+        spec.shape, spec.placements, spec.mesh.shape, spec.mesh.get_coordinate())),
+        tuple(parts))
 
 
 def _local_block(spec: DTensorSpec):
@@ -459,40 +464,12 @@ def _plan(op: Op, args, params):
     out_spec = DTensorSpec(mesh, strat.out, tuple(out.shape), np.dtype(out.dtype))
     in_specs = [replace(a._spec, placements=t) if t is not None else None
                 for a, t in zip(args, strat.inputs)]
-    blocks = None if op.local is None else (
-        [block_of(s) if s is not None else None for s in in_specs], block_of(out_spec))
-    return strat.inputs, out_spec, _localize(op, params, in_specs, out_spec), in_specs, blocks
-
-
-def _local_key(key, spec: DTensorSpec):
-    """A canonical index on ``spec``'s global shape as an index on this rank's block: a full
-    slice of a split dim becomes a full slice of the block, and one whole part of a
-    StridedShard dim (the only other slice a split dim allows) becomes the rank's piece of it."""
-    shape, local = spec.shape, _local_block(spec)[0]
-    parts = {p.dim: p.parts for p in spec.placements if isinstance(p, StridedShard)}
-    real_d, out = 0, []
-    for k in key:
-        if isinstance(k, tuple) and k == (0, shape[real_d], 1):
-            k = (0, local[real_d], 1)
-        elif isinstance(k, tuple) and real_d in parts:
-            piece, part = local[real_d] // parts[real_d], k[0] * parts[real_d] // shape[real_d]
-            k = (part * piece, (part + 1) * piece, 1)
-        out.append(k)
-        if k is not None:
-            real_d += 1
-    return tuple(out)
-
-
-def _localize(op: Op, params, in_specs, out_spec):
-    """Params that name global sizes, rewritten for this rank's blocks."""
-    out_local = _local_block(out_spec)[0]
-    if op.name in ("reshape", "broadcast_to"):
-        return {**params, "shape": out_local}
-    if op.name == "getitem":
-        return {"key": _local_key(params["key"], in_specs[0])}
-    if op.name == "slice_scatter":
-        return {"shape": out_local, "key": _local_key(params["key"], out_spec)}
-    return params
+    where = None
+    if op.local is not None or op.localize is not None:
+        where = ([block_of(s) if s is not None else None for s in in_specs], block_of(out_spec))
+    local_params = params if op.localize is None else op.localize(params, *where)
+    return (strat.inputs, out_spec, local_params, in_specs,
+            where if op.local is not None else None)
 
 
 registry.register_interpreter(DTensor, _interpret, _convert)

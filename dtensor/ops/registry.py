@@ -19,7 +19,9 @@ An op is declared once, in one ``defop`` block, with all of its rules side by si
 - ``local(*arrays, in_blocks, out_block, **params)``: for the few ops whose result on one
   rank's block depends on where the block sits (a lookup into vocabulary rows, random values
   drawn by global index), the kernel the DTensor interpreter runs on the blocks; ``Block``
-  says where each sits. Other ops run ``impl`` on the blocks.
+  says where each sits. Other ops run ``impl`` on the blocks;
+- ``localize(params, in_blocks, out_block)``: params that name global sizes (a reshape's
+  shape, getitem's key) rewritten for this rank's blocks.
 
 The interpretation follows the input types: ``Tensor`` runs ``impl`` eagerly; other tensor types
 (DTensor, tracer) register an interpreter with :func:`register_interpreter`. Autograd recording
@@ -56,10 +58,28 @@ class Block(NamedTuple):
     local_shape: tuple[int, ...]
     offset: tuple  # per dim, the first global index held (None on a StridedShard dim)
     indices: tuple  # per dim, the global indices held: a slice, or an array of them
+    parts: tuple  # per dim, a StridedShard's part count (None elsewhere)
 
     def rows(self, axis: int) -> tuple:
         """(first global index, count) held along ``axis``."""
         return self.offset[axis], self.local_shape[axis]
+
+    def local_key(self, key: tuple) -> tuple:
+        """A canonical index (getitem's key) on the global shape as one on this block: a full
+        slice of a split dim becomes a full slice of the block, and one whole part of a
+        StridedShard dim (the only other slice a split dim allows) the block's piece of it."""
+        real_d, out = 0, []
+        for k in key:
+            if isinstance(k, tuple) and k == (0, self.shape[real_d], 1):
+                k = (0, self.local_shape[real_d], 1)
+            elif isinstance(k, tuple) and self.parts[real_d]:
+                n = self.parts[real_d]
+                piece, part = self.local_shape[real_d] // n, k[0] * n // self.shape[real_d]
+                k = (part * piece, (part + 1) * piece, 1)
+            out.append(k)
+            if k is not None:
+                real_d += 1
+        return tuple(out)
 
     def flat_offsets(self) -> np.ndarray:
         """The global row-major flat index of every element of the block."""
@@ -86,6 +106,7 @@ class Op:
     # Extra facts for the registry-wide tests (input domain, example params).
     meta: dict = field(default_factory=dict)
     local: Callable[..., Any] | None = None
+    localize: Callable[..., dict] | None = None
 
     def __repr__(self) -> str:
         return f"<op {self.name}>"
@@ -100,14 +121,15 @@ _LINEARITY = ("all", "one", "none")
 
 
 def defop(name: str, *, impl, abstract, vjp=None, linearity="none", shard=None, lower=None,
-          nondiff=(), local=None, **meta) -> Op:
+          nondiff=(), local=None, localize=None, **meta) -> Op:
     """Declare an op once, with all of its rules. Returns the ``Op``, also kept in ``OPS``."""
     if name in OPS:
         raise ValueError(f"op {name!r} is already registered")
     if linearity not in _LINEARITY and not isinstance(linearity, tuple):
         raise ValueError(f"op {name!r}: linearity must be one of {_LINEARITY} or a tuple of "
                          f"input positions, got {linearity!r}")
-    op = Op(name, impl, abstract, vjp, linearity, shard, lower, tuple(nondiff), meta, local)
+    op = Op(name, impl, abstract, vjp, linearity, shard, lower, tuple(nondiff), meta, local,
+            localize)
     OPS[name] = op
     return op
 

@@ -120,11 +120,16 @@ cumsum = defop(
 
 # ---------------------------------------------------------------- shape ops
 
+def _block_shape(params, ins, out):
+    """A shape param names the global result: on a block, the block's own shape."""
+    return {**params, "shape": out.local_shape}
+
+
 reshape = defop(
     "reshape", impl=lambda x, shape: np.reshape(x, shape),
     abstract=lambda x, shape: Aval(shape, x.dtype),
     vjp=lambda g, out, x, shape: (g.reshape(x.shape),),
-    linearity="all", shard="reshape", lower="view")
+    linearity="all", shard="reshape", lower="view", localize=_block_shape)
 
 permute = defop(
     "permute", impl=lambda x, axes: np.transpose(x, axes),
@@ -136,7 +141,7 @@ broadcast_to = defop(
     "broadcast_to", impl=lambda x, shape: np.broadcast_to(x, shape),
     abstract=lambda x, shape: Aval(shape, x.dtype),
     vjp=lambda g, out, x, shape: (unbroadcast(g, x.shape),),
-    linearity="all", shard="broadcast", lower="view")
+    linearity="all", shard="broadcast", lower="view", localize=_block_shape)
 
 
 def index_key(key):
@@ -149,7 +154,8 @@ getitem = defop(
     abstract=lambda x, key: Aval(np.broadcast_to(np.empty((), np.bool_), x.shape)[
         index_key(key)].shape, x.dtype),
     vjp=lambda g, out, x, key: (slice_scatter(g, shape=tuple(x.shape), key=key),),
-    linearity="all", shard="getitem", lower="view")
+    linearity="all", shard="getitem", lower="view",
+    localize=lambda params, ins, out: {"key": ins[0].local_key(params["key"])})
 
 
 def _slice_scatter_impl(g, shape, key):
@@ -163,7 +169,9 @@ slice_scatter = defop(
     "slice_scatter", impl=_slice_scatter_impl,
     abstract=lambda g, shape, key: Aval(shape, g.dtype),
     vjp=lambda g2, out, g, shape, key: (getitem(g2, key=key),),
-    linearity="all", shard="slice_scatter", lower="extern:slice_scatter")
+    linearity="all", shard="slice_scatter", lower="extern:slice_scatter",
+    localize=lambda params, ins, out: {"shape": out.local_shape,
+                                       "key": out.local_key(params["key"])})
 
 
 def _cat_abstract(*xs, axis):

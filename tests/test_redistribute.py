@@ -191,6 +191,15 @@ def test_plan_names_each_step(rank, shape, src, dst, expect):
     steps = plan_redistribute(t._spec, dst)
     if rank == 1:
         assert [repr(s) for s in steps] == expect
+    # running the plan issues exactly its collectives, by kind
+    from dtensor.redistribute import COLLECTIVES, redistribute_local
+    with count_collectives() as log:
+        redistribute_local(t.to_local().numpy(), t._spec, tuple(dst))
+    want_counts = {}
+    for s in steps:
+        if s.kind in COLLECTIVES:
+            want_counts[s.kind] = want_counts.get(s.kind, 0) + 1
+    assert {k: n for k, (n, _) in log.summary().items()} == want_counts
     out = t.redistribute(mesh, dst)
     want = replace(t._spec, placements=tuple(dst))
     if Partial() not in dst:

@@ -448,7 +448,10 @@ class Compiled:
                     for node, k in kernels:
                         print(f"[dtensor.compile] {self.backend} kernel for %{node.id} "
                               f"{node.name} {node.note}\n{k.source}", flush=True)
-            graph = p(graph)
+            # A row-wise op joins row groups only where they become generated kernels; the
+            # numpy backend runs eager's own row kernels (BLAS row sums), bit for bit.
+            graph = (p(graph, row_ops=self.backend != "numpy") if name == "fuse_pointwise"
+                     else p(graph))
             if debug:
                 print(f"[dtensor.compile] after {name}\n{graph}", flush=True)
         source, tables = numpy_backend.generate(graph, self.__name__)

@@ -1,14 +1,16 @@
 """The C backend: the CPU counterpart of the Triton backend, as TorchInductor's C++ backend is
 the CPU counterpart of its Triton one.
 
-Every fused pointwise group and every row-wise op of a graph (softmax, layer-norm, softmax
-cross-entropy, their backwards, GELU, the AdamW group update) becomes a C function; one graph's
+Every kernel of compile/kernels.py (fused pointwise groups, row groups, the row-wise ops:
+softmax, layer-norm, cross-entropy and their backwards, random draws) is rendered as a C
+function from its expression, and so are the AdamW group update and index_add; one graph's
 functions are one C file, compiled once with the system C compiler (``$CC``, else ``cc``) into
 a shared library named by the hash of its source and flags, and called through ctypes. A
-kernel is one pass over its rows: the temporaries numpy materialises between ufuncs stay in
-registers, and the loops are SIMD-vectorised (``-O3 -march=native``; exp is a polynomial the
-compiler can vectorise, since libm's is a scalar call). ctypes releases the GIL, so a large
-kernel's rows are split over the threads of :func:`num_threads` and run in parallel.
+kernel streams each row once per level of its row reductions: the temporaries numpy
+materialises between ufuncs stay in registers, reductions run in 8 lanes, and the loops are
+SIMD-vectorised (``-O3 -march=native``; exp is a polynomial the compiler can vectorise, since
+libm's is a scalar call). ctypes releases the GIL, so a large kernel's rows are split over the
+threads of :func:`num_threads` and run in parallel.
 
 Results match numpy's to float rounding, not bit for bit: the same formulas in the same order
 (``-ffp-contract=off``: no fused multiply-adds numpy would not do), but exp, log and the
@@ -29,11 +31,10 @@ import subprocess
 import threading
 
 import numpy as np
-from dtensor.compile import cache
+from dtensor.compile import cache, kernels
 
 from dtensor.graph import Graph, Node
-from dtensor.ops.nn import logit_rows
-from dtensor.ops.registry import OPS
+from dtensor.ops import expr as X
 
 __all__ = ["lower_graph", "num_threads", "CompilerNotFound"]
 
@@ -41,14 +42,20 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-
          "-fPIC", "-shared")
 
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double",
-          np.dtype(np.bool_): "uint8_t"}
+          np.dtype(np.bool_): "uint8_t", np.dtype(np.int64): "int64_t"}
+_SUFFIX = {"float": "f32", "double": "f64"}
 
-# Helpers for one floating type: T is the type, F the literal suffix, S the name suffix. Float
-# exp is Cephes' expf (< 2 ulp) written with selects so that loops calling it vectorise; the
-# others mirror dtensor/ops/nn.py formula for formula (same constants, same operation order).
-_HELPERS = r"""
-static inline T dt_exp_S(T x) {
-#if IS_FLOAT
+# Float exp is Cephes' expf (< 2 ulp) written with selects so that loops calling it vectorise.
+# Draws are dtensor/random.py's Philox4x32-10 and its conversions (rand bit for bit).
+_COMMON = r"""#include <math.h>
+#include <stdint.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#define DT_STREAM_f32(dst, src) _mm256_stream_ps((dst), _mm256_loadu_ps(src))
+#define DT_STREAM_f64(dst, src) _mm256_stream_pd((dst), _mm256_loadu_pd(src))
+#endif
+
+static inline float dt_exp_f32(float x) {
     float xc = x < -87.9f ? -87.9f : (x > 88.72283f ? 88.72283f : x);
     float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round(x / ln 2) */
     float r = xc - n * 0.693359375f;
@@ -68,250 +75,44 @@ static inline T dt_exp_S(T x) {
     y = x > 88.72283f ? INFINITY : y;  /* ln(FLT_MAX) = 88.722839 */
     y = x < -87.9f ? 0.0f : y;
     return x != x ? x : y;
-#else
-    return (exp)(x);
-#endif
 }
 
-static inline T dt_log_S(T x) { return IS_FLOAT ? (logf)(x) : (log)(x); }
-static inline T dt_sqrt_S(T x) { return IS_FLOAT ? (sqrtf)(x) : (sqrt)(x); }
-static inline T dt_tanh_S(T x) { return IS_FLOAT ? (tanhf)(x) : (tanh)(x); }
-static inline T dt_pow_S(T x, T y) { return IS_FLOAT ? (powf)(x, y) : (pow)(x, y); }
-static inline T dt_cos_S(T x) { return IS_FLOAT ? (cosf)(x) : (cos)(x); }
-static inline T dt_sin_S(T x) { return IS_FLOAT ? (sinf)(x) : (sin)(x); }
-static inline T dt_abs_S(T x) { return IS_FLOAT ? (fabsf)(x) : (fabs)(x); }
-static inline T dt_rsqrt_S(T x) { return 1.0F / dt_sqrt_S(x); }
+static inline double dt_exp_f64(double x) { return exp(x); }
 
-static inline T dt_sigmoid_S(T x) {  /* _sigmoid_impl: exp(-|x|), never overflowing */
-    T e = dt_exp_S(x < 0 ? x : -x);
-    T s = 1.0F / (1.0F + e);
-    return x < 0 ? e * s : s;
-}
-
-static inline T dt_clamp_S(T x, T lo, T hi) {  /* min(max(x, lo), hi): NaN stays NaN */
-    T y = x < lo ? lo : x;
-    return y > hi ? hi : y;
-}
-
-static inline T dt_erf_S(T x) {  /* erf_block: Numerical Recipes' erfc, a series below 1/2 */
-    T z = x < 0 ? -x : x;
-    if (z < 0.5F) {
-        T x2 = x * x, acc = 1.2055332981789664e-4F;  /* 2/sqrt(pi) (-1)^n / (n! (2n+1)) */
-        acc = acc * x2 - 8.548327023450852e-4F; acc = acc * x2 + 5.223977625442188e-3F;
-        acc = acc * x2 - 2.6866170645131252e-2F; acc = acc * x2 + 0.11283791670955126F;
-        acc = acc * x2 - 0.37612638903183754F; acc = acc * x2 + 1.1283791670955126F;
-        return acc * x;
-    }
-    T t = 1.0F / (z * 0.5F + 1.0F);
-    T p = t * 0.17087277F;
-    p += -0.82215223F; p *= t; p += 1.48851587F; p *= t; p += -1.13520398F; p *= t;
-    p += 0.27886807F; p *= t; p += -0.18628806F; p *= t; p += 0.09678418F; p *= t;
-    p += 0.37409196F; p *= t; p += 1.00002368F; p *= t;
-    p += -1.26551223F;
-    p -= z * z;
-    T e = dt_exp_S(p) * t;
-    T r = 1.0F - e;
-    return x < 0 ? -r : r;
-}
-
-static inline T dt_gelu_none_S(T x) {  /* _gelu_erf_block: relu(x) - |x| Q(|x|) */
-    T a = x < 0 ? -x : x;
-    a = a > 64.0F ? 64.0F : a;
-    T t = 1.0F / (a * 0.2316418882663604F + 1.0F);
-    T q = t * 0.5307027145F;
-    q += -0.7265760135F; q *= t; q += 0.7107068705F; q *= t; q += -0.142248368F; q *= t;
-    q += 0.127414796F; q *= t;
-    q *= dt_exp_S(x * x * -0.5F);
-    q *= a;
-    return (x > 0 ? x : 0.0F) - q;
-}
-
-static inline T dt_gelu_tanh_S(T x) {  /* _gelu_tanh_block: x sigmoid(2 u) */
-    T u = x * x * 0.044715F + 1.0F;
-    u = u * x * 0.7978845608028654F;
-    T e = dt_exp_S((u < 0 ? u : -u) * 2.0F);
-    T r = 1.0F / (e + 1.0F);
-    return (u >= 0 ? r : e * r) * x;
-}
-
-static inline T dt_gelu_none_grad_S(T g, T x, T y) {
-    T ax = x < 0 ? -x : x;
-    T phi = ax < NEAR_ZERO ? x * 0.3989422804014327F + 0.5F : y / x;
-    T e = x * x * -0.5F;
-    e = dt_exp_S(e) * 0.3989422804014327F * x;
-    return (phi + e) * g;
-}
-
-static inline T dt_gelu_tanh_grad_S(T g, T x, T y) {  /* _gelu_tanh_grad_block */
-    T x2 = x * x;
-    T u = (x2 * 0.044715F + 1.0F) * x * 0.7978845608028654F;
-    T e = dt_exp_S((u < 0 ? u : -u) * 2.0F);
-    T r = 1.0F / (e + 1.0F);
-    T du = (x2 * 0.134145F + 1.0F) * 1.5957691216057308F;  /* 3 c and 2 a, rounded once */
-    du = du * x * e * r * r;
-    return ((u >= 0 ? r : e * r) + du) * g;
-}
-
-/* Row reductions in 8 independent lanes, so the compiler vectorises them without
-   reassociating anything itself (numpy's sums are lane-split too). */
-static inline T dt_sum_S(const T *a, int64_t n) {
-    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int k = 0; k < 8; k++) acc[k] += a[j + k];
-    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; j < n; j++) s += a[j];
-    return s;
-}
-
-static inline T dt_dot_S(const T *a, const T *b, int64_t n) {
-    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int k = 0; k < 8; k++) acc[k] += a[j + k] * b[j + k];
-    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; j < n; j++) s += a[j] * b[j];
-    return s;
-}
-
-static inline T dt_max_S(const T *a, int64_t n) {
-    T acc[8];
-    for (int k = 0; k < 8; k++) acc[k] = -INFINITY;
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int k = 0; k < 8; k++) acc[k] = a[j + k] > acc[k] ? a[j + k] : acc[k];
-    T m = -INFINITY;
-    for (int k = 0; k < 8; k++) m = acc[k] > m ? acc[k] : m;
-    for (; j < n; j++) m = a[j] > m ? a[j] : m;
-    return m;
-}
-
-/* ---- row-wise ops over the last dim (C columns), rows r0..r1 */
-
-void softmax_S(const T *x, T *out, int64_t r0, int64_t r1, int64_t C, int64_t L, int causal) {
-    for (int64_t r = r0; r < r1; r++) {
-        const T *a = x + r * C;
-        T *o = out + r * C;
-        int64_t n = C;
-        if (causal) n = r % L + 1 < C ? r % L + 1 : C;  /* entry (i, j) iff j <= i */
-        T m = dt_max_S(a, n);
-        for (int64_t j = 0; j < n; j++) o[j] = dt_exp_S(a[j] - m);
-        T s = dt_sum_S(o, n);
-        for (int64_t j = 0; j < n; j++) o[j] /= s;
-        for (int64_t j = n; j < C; j++) o[j] = 0;
+static inline void dt_philox(uint64_t key, int64_t off, uint32_t c[4]) {
+    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+    c[0] = (uint32_t)off; c[1] = (uint32_t)(off >> 32); c[2] = 0; c[3] = 0;
+    for (int i = 0; i < 10; i++) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
+        c[0] = (uint32_t)(p1 >> 32) ^ c[1] ^ k0; c[1] = (uint32_t)p1;
+        c[2] = (uint32_t)(p0 >> 32) ^ c[3] ^ k1; c[3] = (uint32_t)p0;
+        k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
     }
 }
 
-void softmax_backward_S(const T *g, const T *y, T *out, int64_t r0, int64_t r1, int64_t C) {
-    for (int64_t r = r0; r < r1; r++) {
-        const T *gr = g + r * C, *yr = y + r * C;
-        T *o = out + r * C;
-        T s = dt_dot_S(gr, yr, C);
-        for (int64_t j = 0; j < C; j++) o[j] = (gr[j] - s) * yr[j];
-    }
+static inline float dt_uniform(uint32_t x) {
+    int32_t i = (int32_t)x;
+    return (float)(i < 0 ? ~i : i) * 4.6566127342e-10f;
 }
 
-void log_softmax_S(const T *x, T *out, int64_t r0, int64_t r1, int64_t C) {
-    for (int64_t r = r0; r < r1; r++) {
-        const T *a = x + r * C;
-        T *o = out + r * C;
-        T m = dt_max_S(a, C);
-        for (int64_t j = 0; j < C; j++) o[j] = dt_exp_S(a[j] - m);
-        T lse = dt_log_S(dt_sum_S(o, C));
-        for (int64_t j = 0; j < C; j++) o[j] = (a[j] - m) - lse;
-    }
+static inline float dt_rand(uint64_t key, int64_t off) {
+    uint32_t c[4];
+    dt_philox(key, off, c);
+    return dt_uniform(c[0]);
 }
 
-void log_softmax_backward_S(const T *g, const T *lp, T *out, int64_t r0, int64_t r1,
-                            int64_t C) {
-    for (int64_t r = r0; r < r1; r++) {
-        const T *gr = g + r * C, *l = lp + r * C;
-        T *o = out + r * C;
-        T s = dt_sum_S(gr, C);
-        for (int64_t j = 0; j < C; j++) o[j] = gr[j] - dt_exp_S(l[j]) * s;
-    }
+static inline float dt_randn(uint64_t key, int64_t off) {  /* Box-Muller, as random.randn */
+    uint32_t c[4];
+    dt_philox(key, off, c);
+    float u1 = dt_uniform(c[0]), u2 = dt_uniform(c[1]);
+    u1 = u1 > 1.0e-7f ? u1 : 1.0e-7f;
+    return sqrtf(-2.0f * logf(u1)) * cosf(6.283185307179586f * u2);
 }
+"""
 
-static inline T dt_rstd_S(const T *a, int64_t C, T mean, T eps) {
-    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= C; j += 8)
-        for (int k = 0; k < 8; k++) { T d = a[j + k] - mean; acc[k] += d * d; }
-    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; j < C; j++) { T d = a[j] - mean; s += d * d; }
-    return 1.0F / dt_sqrt_S(s / (T)C + eps);
-}
-
-void normalize_S(const T *x, T *out, int64_t r0, int64_t r1, int64_t C, double eps) {
-    for (int64_t r = r0; r < r1; r++) {
-        const T *a = x + r * C;
-        T *o = out + r * C;
-        T mean = dt_sum_S(a, C) / (T)C;
-        T rstd = dt_rstd_S(a, C, mean, (T)eps);
-        for (int64_t j = 0; j < C; j++) o[j] = (a[j] - mean) * rstd;
-    }
-}
-
-/* dx of layer-norm's core from the gradient gr of its output. */
-static inline void dt_normalize_backward_row_S(const T *gr, const T *a, T *o, int64_t C,
-                                               double eps) {
-    T mean = dt_sum_S(a, C) / (T)C;
-    T rstd = dt_rstd_S(a, C, mean, (T)eps);
-    T gm = dt_sum_S(gr, C) / (T)C;
-    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= C; j += 8)
-        for (int k = 0; k < 8; k++) acc[k] += gr[j + k] * ((a[j + k] - mean) * rstd);
-    T gx = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; j < C; j++) gx += gr[j] * ((a[j] - mean) * rstd);
-    gx /= (T)C;
-    for (int64_t j = 0; j < C; j++)
-        o[j] = ((gr[j] - gm) - ((a[j] - mean) * rstd) * gx) * rstd;
-}
-
-void normalize_backward_S(const T *g, const T *x, T *out, int64_t r0, int64_t r1, int64_t C,
-                          double eps) {
-    for (int64_t r = r0; r < r1; r++)
-        dt_normalize_backward_row_S(g + r * C, x + r * C, out + r * C, C, eps);
-}
-
-/* The same with the output's gradient g * w (a LayerNorm's weight along the row), the
-   product made a row at a time on the stack (C <= _WEIGHTED_ROW_MAX) instead of as a tensor of
-   its own. */
-void normalize_backward_w_S(const T *g, const T *w, const T *x, T *out, int64_t r0, int64_t r1,
-                            int64_t C, double eps) {
-    T gw[C];
-    for (int64_t r = r0; r < r1; r++) {
-        for (int64_t j = 0; j < C; j++) gw[j] = g[r * C + j] * w[j];
-        dt_normalize_backward_row_S(gw, x + r * C, out + r * C, C, eps);
-    }
-}
-
-/* softmax cross-entropy: out[r] = logsumexp(x[r]) - x[r, t[r]]; the backward
-   g[r] * (softmax(x[r]) - onehot(t[r])). */
-void cross_entropy_S(const T *x, const int64_t *t, T *out, int64_t r0, int64_t r1, int64_t C,
-                     T *scratch) {
-    for (int64_t r = r0; r < r1; r++) {
-        const T *a = x + r * C;
-        T m = dt_max_S(a, C);
-        for (int64_t j = 0; j < C; j++) scratch[j] = dt_exp_S(a[j] - m);
-        out[r] = (dt_log_S(dt_sum_S(scratch, C)) + m) - a[t[r]];
-    }
-}
-
-void cross_entropy_backward_S(const T *g, const T *x, const int64_t *t, T *out, int64_t r0,
-                              int64_t r1, int64_t C) {
-    for (int64_t r = r0; r < r1; r++) {
-        const T *a = x + r * C;
-        T *o = out + r * C;
-        T m = dt_max_S(a, C);
-        for (int64_t j = 0; j < C; j++) o[j] = dt_exp_S(a[j] - m);
-        T k = g[r] / dt_sum_S(o, C);
-        for (int64_t j = 0; j < C; j++) o[j] *= k;
-        o[t[r]] -= g[r];
-    }
-}
-
+# index_add and the AdamW group for one floating type: T is the type, _S the name suffix, SQRT
+# its square root.
+_TYPED = r"""
 /* index_add (an embedding's gradient): row i of g (n rows of C) added into row idx[i] - off
    of zeros (rows, C) when that row lies in [0, rows) (a vocab-parallel shard holds rows
    off..off+rows), in order of i (numpy's reduceat associates a row's terms pairwise: the
@@ -336,7 +137,7 @@ static inline void dt_adamw_rows_S(const T *p, const T *restrict g, const T *m, 
     for (int64_t i = 0; i < n; i++) {
         T mi = m[i] * b1 + g[i] * c1;
         T vi = v[i] * b2 + (g[i] * g[i]) * c2;
-        T den = dt_sqrt_S(vi) + eps;
+        T den = SQRT(vi) + eps;
         mo[i] = mi;
         vo[i] = vi;
         po[i] = p[i] * decay - (mi / den) * step;
@@ -385,45 +186,13 @@ void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offs
 }
 """
 
-_TYPE_DEFS = {"float": ("f32", "1", "1e-4f"), "double": ("f64", "0", "1e-6")}
+
+def _typed(ctype: str) -> str:
+    text = re.sub(r"\bT\b", ctype, _TYPED).replace("_S(", f"_{_SUFFIX[ctype]}(")
+    return text.replace("SQRT(", "sqrtf(" if ctype == "float" else "sqrt(")
 
 
-def _helpers(ctype: str) -> str:
-    """_HELPERS for one floating type: T the type, _S( the name suffix, a literal's F suffix
-    (float literals stay float: numpy rounds a Python float to the array's type)."""
-    suffix, is_float, near = _TYPE_DEFS[ctype]
-    text = re.sub(r"\bT\b", ctype, _HELPERS).replace("_S(", f"_{suffix}(")
-    text = text.replace("IS_FLOAT", is_float).replace("NEAR_ZERO", near)
-    return re.sub(r"(\d)F\b", r"\1f" if ctype == "float" else r"\1", text)
-
-
-PRELUDE = ("#include <math.h>\n#include <stdint.h>\n#ifdef __AVX__\n#include <immintrin.h>\n"
-           "#define DT_STREAM_f32(dst, src) _mm256_stream_ps((dst), _mm256_loadu_ps(src))\n"
-           "#define DT_STREAM_f64(dst, src) _mm256_stream_pd((dst), _mm256_loadu_pd(src))\n"
-           "#endif\n\n" + _helpers("float") + _helpers("double")
-           + r"""
-/* Names the ops' ``lower`` templates use (dtensor/ops/*.py), by argument type. */
-#define DT_GENERIC(name, x) _Generic((x), float: dt_##name##_f32, default: dt_##name##_f64)
-#define exp(x) DT_GENERIC(exp, x)(x)
-#define log(x) DT_GENERIC(log, x)(x)
-#define sqrt(x) DT_GENERIC(sqrt, x)(x)
-#define tanh(x) DT_GENERIC(tanh, x)(x)
-#define erf(x) DT_GENERIC(erf, x)(x)
-#define pow(x, y) DT_GENERIC(pow, x)(x, y)
-#define cos(x) DT_GENERIC(cos, x)(x)
-#define sin(x) DT_GENERIC(sin, x)(x)
-#define abs(x) DT_GENERIC(abs, x)(x)
-#define rsqrt(x) DT_GENERIC(rsqrt, x)(x)
-#define sigmoid(x) DT_GENERIC(sigmoid, x)(x)
-#define clamp(x, lo, hi) DT_GENERIC(clamp, x)(x, lo, hi)
-#define gelu_none(x) DT_GENERIC(gelu_none, x)(x)
-#define gelu_tanh(x) DT_GENERIC(gelu_tanh, x)(x)
-#define gelu_none_grad(g, x, y) DT_GENERIC(gelu_none_grad, x)(g, x, y)
-#define gelu_tanh_grad(g, x, y) DT_GENERIC(gelu_tanh_grad, x)(g, x, y)
-#define where(c, x, y) ((c) ? (x) : (y))
-#define maximum(x, y) ((x) != (x) || (x) > (y) ? (x) : (y))
-""")
-
+PRELUDE = _COMMON + _typed("float") + _typed("double")
 
 class CompilerNotFound(RuntimeError):
     """backend='c' found no C compiler to run (none on PATH, or $CC does not run)."""
@@ -622,9 +391,10 @@ def _run_rows(fn, head: tuple, rows: int, work: int, tail: tuple = ()) -> None:
     _parallel(fn, [head + r + tail for r in _cuts(rows, work)])
 
 
+
 # ----------------------------------------------------------------------------- kernels
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
+_P, _I, _U = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -635,141 +405,157 @@ def _c_literal(v, single: bool) -> str:
     if isinstance(v, (bool, np.bool_)):
         return "1" if v else "0"
     if isinstance(v, (int, np.integer)):
-        return f"{int(v)}"
+        return f"{int(v)}" if v >= 0 else f"({int(v)})"
     v = float(v)
     if not np.isfinite(v):
         return "NAN" if np.isnan(v) else ("INFINITY" if v > 0 else "(-INFINITY)")
-    return repr(v) + ("f" if single else "")
+    text = repr(v) + ("f" if single else "")
+    return f"({text})" if v < 0 else text
 
 
-class _Pointwise:
-    """A fused pointwise group (or one pointwise op): rows of the output's last dim, each input
-    read through its broadcast strides (a bias: the same row; a (..., 1) column: one value)."""
+# How C spells each primitive of dtensor/ops/expr.py: {f} is the float functions' suffix, {s}
+# the type's name suffix, {T} the type. Arguments are always a name or a literal.
+_SPELL = {"add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
+          "neg": "-{0}", "not": "!{0}", "lt": "{0} < {1}", "le": "{0} <= {1}",
+          "gt": "{0} > {1}", "ge": "{0} >= {1}", "eq": "{0} == {1}", "ne": "{0} != {1}",
+          "where": "{0} ? {1} : {2}", "maximum": "{0} != {0} || {0} > {1} ? {0} : {1}",
+          "minimum": "{0} != {0} || {0} < {1} ? {0} : {1}", "abs": "fabs{f}({0})",
+          "exp": "dt_exp_{s}({0})", "log": "log{f}({0})", "sqrt": "sqrt{f}({0})",
+          "tanh": "tanh{f}({0})", "sin": "sin{f}({0})", "cos": "cos{f}({0})",
+          "pow": "pow{f}({0}, {1})", "cast": "({T})({0})", "rand": "dt_rand({a}, {0})",
+          "randn": "dt_randn({a}, {0})"}
+_COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 
-    accepts_out = True
 
-    def __init__(self, name: str, ops, shape, dtype, in_shapes, in_dtypes, label: str,
-                 positions):
-        self.name, self.shape, self.dtype = name, tuple(shape), np.dtype(dtype)
-        self.positions = positions  # which call arguments are arrays (the rest: constants)
-        self.C = self.shape[-1] if self.shape else 1
-        self.R = int(np.prod(self.shape[:-1])) if self.shape else 1
-        lead = self.shape[:-1]
-        ctype = _CTYPE[self.dtype]
-        single = self.dtype == np.float32
-        params = [f"const {_CTYPE[np.dtype(dt)]} *restrict in{k}" for k, dt in
-                  enumerate(in_dtypes)]
-        lines = [f"/* {label} */",
-                 f"void {name}({', '.join(params + [f'{ctype} *restrict out'])}, "
-                 "int64_t r0, int64_t r1) {",
-                 "    for (int64_t r = r0; r < r1; r++) {"]
-        loads = []
-        for k, (s, dt) in enumerate(zip(in_shapes, in_dtypes)):
-            st = [x // np.dtype(dt).itemsize for x in
-                  np.broadcast_to(np.empty(s, dt), self.shape).strides] if self.shape else []
-            row, inner = [], 1
-            for d in reversed(range(len(lead))):
-                if st[d]:
-                    row.append(f"((r / {inner}) % {lead[d]}) * {st[d]}")
-                inner *= lead[d]
-            lines.append(f"        const {_CTYPE[np.dtype(dt)]} *p{k} = in{k} + "
-                         f"({' + '.join(row) or '0'});")
-            col = st[-1] if st else 0
-            loads.append(f"p{k}[c * {col}]" if col else f"p{k}[0]")
-        lines += [f"        {ctype} *o = out + r * {self.C};",
-                  f"        for (int64_t c = 0; c < {self.C}; c++) {{"]
-        lines += [f"            {_CTYPE[np.dtype(dt)]} a{k} = {ld};"
-                  for k, (ld, dt) in enumerate(zip(loads, in_dtypes))]
-        for j, (op_name, op, refs, p) in enumerate(ops):
-            args = [f"a{r}" if kind == "in" else f"t{r}" if kind == "op" else
-                    _c_literal(r, single) for kind, r in refs]
-            expr = ("(!" + args[0] + ")" if op_name == "logical_not" else
-                    op.lower.format(*args, **p))
-            lines.append(f"            __auto_type t{j} = {expr};")
-        lines += [f"            o[c] = ({ctype})(t{len(ops) - 1});", "        }", "    }", "}"]
-        self.source = "\n".join(lines) + "\n"
-        self.argtypes = [_P] * (len(in_shapes) + 1) + [_I, _I]
+def _supported(k: kernels.Kernel) -> bool:
+    """Kernels of one float type in which a boolean (an input or a comparison's result) is only
+    a where() condition or not()'s argument and an integer input only a comparison's argument:
+    C computes on ints where numpy has bool arithmetic (True + True is True) and its own
+    promotions (int64 with float32 is float64), so anything else stays numpy."""
+    if k.dtype not in (np.float32, np.float64) or any(
+            lay.dtype not in (k.dtype, np.bool_, np.int64) for lay in k.inputs):
+        return False
+    boolean = {id(e) for e in k.nodes if e.prim in _COMPARE + ("not",) or (
+        e.prim == "in" and k.inputs[e.attr].dtype == np.bool_)}
+    integer = {id(e) for e in k.nodes if e.prim == "in" and k.inputs[e.attr].dtype == np.int64}
+    for e in k.nodes:
+        for pos, a in enumerate(e.args):
+            if id(a) in boolean and not (e.prim == "where" and pos == 0 or e.prim == "not"):
+                return False
+            if id(a) in integer and e.prim not in _COMPARE:
+                return False
+        if e.prim == "cast" and e.attr not in (np.float32, np.float64):
+            return False
+    return True
 
-    def __call__(self, *inputs, out=None):
-        # (a 0-d value, e.g. a full reduction's, arrives as a numpy scalar)
-        arrays = [np.ascontiguousarray(inputs[k]) for k in self.positions]
-        out = np.empty(self.shape, self.dtype) if out is None else out
+
+class _Kernel(kernels.Kernel):
+    """A kernel rendered as a C function over rows r0..r1: one streaming pass over a row per
+    level of its reductions (8-lane accumulators), then the pass that stores the row."""
+
+    def __init__(self, node: Node, found, name: str):
+        super().__init__(node, found)
+        self.name = name
+        T = _CTYPE[self.dtype]
+        self.fmt = {"f": "f" if T == "float" else "", "s": _SUFFIX[T], "T": T}
+        self.names: dict = {}
+        single = T == "float"
+        for e in self.nodes:  # leaves every pass reads by the same name
+            if e.prim in ("const", "cols", "row", "col"):
+                self.names[id(e)] = (
+                    _c_literal(self.literal(e.attr), single) if e.prim == "const" else
+                    str(self.C) if e.prim == "cols" else "r" if e.prim == "row" else "cc")
+        ins = [f"const {_CTYPE[lay.dtype]} *restrict in{k}"
+               for k, lay in enumerate(self.inputs)]
+        keys = "".join(f", uint64_t {key}" for key in self.keys)
+        C, L = self.C, self.L
+        lines = [f"/* {self.label} */",
+                 f"void {name}({', '.join(ins + [f'{T} *restrict out'])}, int64_t r0, "
+                 f"int64_t r1{keys}) {{", "    for (int64_t r = r0; r < r1; r++) {"]
+        for k, lay in enumerate(self.inputs):
+            off = " + ".join(f"((r / {i}) % {n}) * {st}" for i, n, st in lay.terms) or "0"
+            lines.append(f"        const {_CTYPE[lay.dtype]} *p{k} = in{k} + ({off});")
+        n = f"r % {L} + 1 < {C} ? r % {L} + 1 : {C}" if self.causal else C  # causal: j <= i
+        lines += [f"        {T} *o = out + r * {self.out_cols};",
+                  f"        const int64_t n = {n};"]
+        top = self.level[id(self.root)]
+        for level in range(top + 1):
+            for e in self.nodes:  # this level's row values: once a row
+                if (self.row_valued[id(e)] and id(e) not in self.names
+                        and self.level[id(e)] == level and e.prim not in X.REDUCTIONS):
+                    lines.append(f"        __auto_type v{self.index[id(e)]} = {self._expr(e)};")
+                    self.names[id(e)] = f"v{self.index[id(e)]}"
+            reductions = [e for e in self.nodes if e.prim in X.REDUCTIONS
+                          and self.level[id(e)] == level + 1]
+            if reductions:
+                lines += self._reduce(reductions, T)
+        root = self.names.get(id(self.root))
+        if root is not None:
+            lines.append(f"        for (int64_t c = 0; c < {self.out_cols}; c++) "
+                         f"o[c] = ({T})({root});")
+        else:
+            lines += ["        for (int64_t c = 0; c < n; c++) {",
+                      "            const int64_t cc = c;"]
+            lines += self._body([self.root], "            ")
+            lines += [f"            o[c] = ({T})(t{self.index[id(self.root)]});", "        }"]
+            if self.causal:
+                lines.append(f"        for (int64_t c = n; c < {C}; c++) o[c] = 0;")
+        self.source = "\n".join(lines + ["    }", "}", ""])
+        self.argtypes = [_P] * (len(self.inputs) + 1) + [_I, _I] + [_U] * len(self.keys)
+
+    def _expr(self, e) -> str:
+        args = [self._name(a) for a in e.args]
+        if e.prim == "in":
+            return f"p{e.attr}[0]" if self.row_valued[id(e)] else (
+                f"p{e.attr}[cc * {self.inputs[e.attr].col_stride}]")
+        return "(" + _SPELL[e.prim].format(*args, a=e.attr, **self.fmt) + ")"
+
+    def _name(self, e) -> str:
+        return self.names.get(id(e)) or f"t{self.index[id(e)]}"
+
+    def _body(self, targets, pad) -> list:
+        return [f"{pad}__auto_type t{self.index[id(e)]} = {self._expr(e)};"
+                for e in self.needed(targets) if id(e) not in self.names]
+
+    def _reduce(self, reductions, T) -> list:
+        """One pass over the row for ``reductions``: 8 lanes, then the tail, in order."""
+        out = [f"        {T} v{self.index[id(e)]};" for e in reductions] + ["        {"]
+        for e in reductions:
+            i = self.index[id(e)]
+            init = "0" if e.prim == "rowsum" else "-INFINITY"
+            out.append(f"        {T} a{i}[8] = {{{', '.join([init] * 8)}}};")
+        args = [e.args[0] for e in reductions]
+
+        def update(e, acc):
+            v = self._name(e.args[0])
+            if e.prim == "rowsum":
+                return f"{acc} = {acc} + {v};"
+            return f"{acc} = {v} > {acc} ? {v} : {acc};"
+        out += ["        int64_t c = 0;", "        for (; c + 8 <= n; c += 8)",
+                "            for (int l = 0; l < 8; l++) {", "                const int64_t cc = c + l;"]
+        out += self._body(args, "                ")
+        out += [f"                {update(e, f'a{self.index[id(e)]}[l]')}" for e in reductions]
+        out.append("            }")
+        for e in reductions:
+            i = self.index[id(e)]
+            if e.prim == "rowsum":
+                out.append(f"        v{i} = ((a{i}[0] + a{i}[1]) + (a{i}[2] + a{i}[3])) + "
+                           f"((a{i}[4] + a{i}[5]) + (a{i}[6] + a{i}[7]));")
+            else:
+                out.append(f"        v{i} = a{i}[0];")
+                out.append(f"        for (int l = 1; l < 8; l++) "
+                           f"v{i} = a{i}[l] > v{i} ? a{i}[l] : v{i};")
+        out += ["        for (; c < n; c++) {", "            const int64_t cc = c;"]
+        out += self._body(args, "            ")
+        out += [f"            {update(e, f'v{self.index[id(e)]}')}" for e in reductions]
+        out += ["        }", "        }"]
+        for e in reductions:
+            self.names[id(e)] = f"v{self.index[id(e)]}"
+        return out
+
+    def launch(self, arrays, out, keys):
         _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.R,
-                  self.R * self.C * (len(arrays) + 1))
-        return out
-
-
-class _Rowwise:
-    """softmax / log_softmax / normalize and their backwards: whole rows of the last dim."""
-
-    accepts_out = True
-
-    def __init__(self, name: str, params: dict, shape, dtype):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.name = f"{name}_{_TYPE_DEFS[_CTYPE[self.dtype]][0]}"
-        self.C = self.shape[-1]
-        self.R = int(np.prod(self.shape[:-1]))
-        self.source = ""
-        self.weighted = name == "normalize_backward_w"
-        n_in = 3 if self.weighted else 2 if name.endswith("_backward") else 1
-        if name == "softmax":
-            L = self.shape[-2] if len(self.shape) > 1 else 1
-            self.tail = (self.C, L, int(bool(params.get("causal", False))))
-            self.argtypes = [_P] * 2 + [_I] * 4 + [ctypes.c_int]
-        elif name.startswith("normalize"):
-            self.tail = (self.C, float(params["eps"]))
-            self.argtypes = [_P] * (n_in + 1) + [_I] * 3 + [ctypes.c_double]
-        else:
-            self.tail = (self.C,)
-            self.argtypes = [_P] * (n_in + 1) + [_I] * 3
-
-    def __call__(self, *inputs, out=None):
-        if self.weighted:  # (g, w, x): w one row of C
-            g, w, x = inputs
-            arrays = [np.ascontiguousarray(np.broadcast_to(g, self.shape)),
-                      np.ascontiguousarray(np.reshape(w, -1)), np.ascontiguousarray(x)]
-        else:
-            arrays = [np.ascontiguousarray(np.broadcast_to(x, self.shape)) for x in inputs]
-        out = np.empty(self.shape, self.dtype) if out is None else out
-        if self.R and self.C:
-            _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.R,
-                      self.R * self.C * (len(arrays) + 1), self.tail)
-        return out
-
-
-class _CrossEntropy:
-    """softmax_cross_entropy (x, target) and its backward (g, x, target)."""
-
-    accepts_out = True
-
-    def __init__(self, name: str, shape, dtype, classes: int):
-        self.backward = name.endswith("_backward")
-        self.shape, self.dtype, self.C = tuple(shape), np.dtype(dtype), classes
-        suffix = _TYPE_DEFS[_CTYPE[self.dtype]][0]
-        self.name = f"cross_entropy{'_backward' if self.backward else ''}_{suffix}"
-        self.source = ""
-        self.argtypes = ([_P] * 4 + [_I] * 3 if self.backward else
-                         [_P] * 3 + [_I] * 3 + [_P])
-
-    def __call__(self, *inputs, out=None):
-        g, x, t = inputs if self.backward else (None, *inputs)
-        xs, ts = logit_rows(x, t)  # raises for a target outside [0, classes)
-        ts = np.ascontiguousarray(ts, dtype=np.int64)
-        R = xs.shape[0]
-        out = np.empty(self.shape, self.dtype) if out is None else out
-        if not (R and self.C):
-            return out
-        if self.backward:
-            gs = np.ascontiguousarray(np.broadcast_to(g, np.shape(t)).reshape(-1),
-                                      dtype=self.dtype)
-            _run_rows(self.fn, (_ptr(gs), _ptr(xs), _ptr(ts), _ptr(out)), R, 2 * R * self.C,
-                      (self.C,))
-        else:  # a row of scratch per thread for the exponentials
-            ranges = _cuts(R, R * self.C)
-            scratch = np.empty((len(ranges), self.C), self.dtype)
-            _parallel(self.fn, [(_ptr(xs), _ptr(ts), _ptr(out), lo, hi, self.C, _ptr(s))
-                                for (lo, hi), s in zip(ranges, scratch)])
-        return out
+                  self.R * self.C * (len(arrays) + 1), tuple(keys[k] for k in self.keys))
 
 
 class _IndexAdd:
@@ -782,7 +568,7 @@ class _IndexAdd:
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.rows, self.C = self.shape[0], math.prod(self.shape[1:])
         self.off, self.total_rows = off, total_rows
-        self.name = f"index_add_{_TYPE_DEFS[_CTYPE[self.dtype]][0]}"
+        self.name = f"index_add_{_SUFFIX[_CTYPE[self.dtype]]}"
         self.source = ""
         self.argtypes = [_P] * 3 + [_I] * 6
 
@@ -809,7 +595,7 @@ class _AdamWGroup:
         self.total = int(self.sizes.sum())
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         self.dtype = np.dtype(dtype)
-        self.name = f"adamw_group_{_TYPE_DEFS[_CTYPE[self.dtype]][0]}"
+        self.name = f"adamw_group_{_SUFFIX[_CTYPE[self.dtype]]}"
         self.source = ""
         self.argtypes = [_P] * 5 + [_I] * 3
         n = num_threads() if self.total >= _SPLIT_ELEMENTS else 1
@@ -830,30 +616,6 @@ class _AdamWGroup:
         return out
 
 
-_ROW_OPS = ("softmax", "softmax_backward", "log_softmax", "log_softmax_backward", "normalize",
-            "normalize_backward")
-
-
-_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
-
-
-def _pointwise_ok(ops, in_dtypes, dtype) -> bool:
-    """Groups of one floating dtype in which a boolean (an input or a comparison's result) is
-    only ever a where() condition: C computes on a comparison's int where numpy has bool
-    arithmetic (True + True is True) and its own promotions, so anything else stays numpy."""
-    if dtype not in (np.float32, np.float64) or any(
-            name in ("cast", "rand", "randn", "logical_not") for name, *_ in ops) or any(
-            dt not in (dtype, np.bool_) for dt in in_dtypes):
-        return False
-    boolean = {("in", k) for k, dt in enumerate(in_dtypes) if dt == np.bool_}
-    boolean |= {("op", j) for j, (name, *_) in enumerate(ops) if name in _COMPARISONS}
-    for name, _, refs, _ in ops:
-        for pos, ref in enumerate(refs):
-            if ref in boolean and not (name == "where" and pos == 0):
-                return False
-    return True
-
-
 def _index_add_for(n: Node):
     """The whole index_add op, or its local kernel on this rank's rows of the result."""
     if n.variant == "impl":
@@ -862,79 +624,32 @@ def _index_add_for(n: Node):
     return _IndexAdd(n.shape, n.dtype, out.rows(0)[0], out.shape[0]), {}
 
 
+
+
 def _kernel_for(n: Node, name: str):
     """A C kernel for node ``n`` and the params it is then called with, or None."""
-    from dtensor.compile.passes.fusion import as_group, pointwise_op
     arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
-    if n.dtype not in (np.float32, np.float64) or not n.shape:
-        return None
-    if n.name == "fused" or pointwise_op(n) is not None:
-        ops, arrays, positions = as_group(n)
-        dtypes = [np.dtype(a.dtype) for a in arrays]
-        if not _pointwise_ok(ops, dtypes, n.dtype):  # (random draws included: numpy's)
-            return None
-        return _Pointwise(name, ops, n.shape, n.dtype, [a.shape for a in arrays], dtypes,
-                          f"{n.name} {n.note}".strip(), positions), {}
     if n.name == "adamw_group":
-        if all(a.dtype == n.dtype for a in arrays):
+        if n.dtype in (np.float32, np.float64) and all(a.dtype == n.dtype for a in arrays):
             return _AdamWGroup(n.params["sizes"], n.dtype), {
                 k: v for k, v in n.params.items() if k != "sizes"}
         return None
-    if n.name == "index_add" and arrays[0].dtype == n.dtype and arrays[1].dtype.kind in "iu":
+    if (n.name == "index_add" and n.dtype in (np.float32, np.float64)
+            and arrays[0].dtype == n.dtype and arrays[1].dtype.kind in "iu"):
         return _index_add_for(n)
-    if n.name not in OPS or n.variant != "impl":
+    found = kernels.members(n)
+    if found is None or n.dtype not in (np.float32, np.float64):
         return None
-    if n.name in _ROW_OPS and all(a.dtype == n.dtype for a in arrays):
-        return _Rowwise(n.name, n.params, n.shape, n.dtype), {}
-    if n.name in ("softmax_cross_entropy", "softmax_cross_entropy_backward"):
-        x = n.inputs[1] if n.name.endswith("_backward") else n.inputs[0]  # (g, x, t) / (x, t)
-        if x.dtype != n.dtype:
-            return None
-        return _CrossEntropy(n.name, n.shape, n.dtype, x.shape[-1]), {}
-    return None
-
-
-_WEIGHTED_ROW_MAX = 8192  # normalize_backward_w's row of g * w lives on the stack
-
-
-def _weighted_gradient(n: Node, users: dict, outputs: set):
-    """(g, w) when a normalize_backward's gradient is only ever g * w with w one row of C (a
-    LayerNorm weight's gradient path), else None."""
-    from dtensor.compile.passes.fusion import pointwise_op
-    m = n.inputs[0] if (n.name == "normalize_backward" and n.variant == "impl"
-                        and n.dtype in (np.float32, np.float64)
-                        and n.inputs[1].dtype == n.dtype) else None
-    if not (isinstance(m, Node) and m.name == "mul" and pointwise_op(m) is not None
-            and len(users.get(m.id, ())) == 1 and m.id not in outputs
-            and n.shape and n.shape[-1] <= _WEIGHTED_ROW_MAX):
+    kernel = _Kernel(n, found, name)
+    if not _supported(kernel):
         return None
-    def shape(a):
-        return tuple(a.shape) if isinstance(a, (Node, np.ndarray)) else None
-
-    for g, w in (m.inputs, m.inputs[::-1]):
-        if (shape(g) == tuple(n.shape) and shape(w) is not None and shape(w)[-1:] == n.shape[-1:]
-                and math.prod(shape(w)) == n.shape[-1] and g.dtype == w.dtype == n.dtype):
-            return g, w
-    return None
+    return kernel, {k: v for k, v in n.params.items() if k in kernel.keys}
 
 
 def lower_graph(graph: Graph) -> list:
     """Give every node a C kernel can run its kernel (``node.fn``, with the params it is called
     with), all of the graph's kernels built as one library; returns [(node, kernel)]."""
-    users, outputs = graph.users(), {o.id for o in graph.outputs if isinstance(o, Node)}
-    weighted = {n.id: gw for n in graph.nodes
-                if (gw := _weighted_gradient(n, users, outputs)) is not None}
-    absorbed = {n.inputs[0].id for n in graph.nodes if n.id in weighted}  # their g * w
-    found = []
-    for n in graph.nodes:
-        if n.id in weighted:
-            n.inputs = [*weighted[n.id], n.inputs[1]]
-            k = _Rowwise("normalize_backward_w", n.params, n.shape, n.dtype), {}
-        else:
-            k = None if n.id in absorbed else _kernel_for(n, f"k{n.id}")
-        if k is not None:
-            found.append((n, *k))
-    graph.nodes = [n for n in graph.nodes if n.id not in absorbed]
+    found = [(n, *k) for n in graph.nodes if (k := _kernel_for(n, f"k{n.id}")) is not None]
     if not found:
         return []
     lib = build(PRELUDE + "\n" + "".join(k.source for _, k, _ in found))

@@ -16,8 +16,9 @@ import types
 
 import numpy as np
 
-from dtensor.compile import cache
+from dtensor.compile import cache, kernels
 from dtensor.graph import KERNEL_KINDS, Graph, Node, Slot
+from dtensor.ops import blockwise
 
 __all__ = ["generate", "load"]
 
@@ -50,7 +51,7 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
         lines.append("    " + "".join(f"v{n.id}, " for n in graph.inputs) + "= I")
     for i, n in enumerate(graph.nodes):
         if n.name in ("fused", "fused_rows") and n.fn is None:
-            tables["F"].append(group_kernel(n))
+            tables["F"].append(GroupKernel(n, kernels.members(n)))
             fixed = {}
         else:
             tables["F"].append(n.fn)
@@ -156,45 +157,58 @@ def adamw_table(hp: dict, count: int, dtype) -> np.ndarray:
                      for j in range(count)], dtype)
 
 
-def rows_view(x: np.ndarray, lead: tuple, last: int) -> np.ndarray:
-    """``x`` broadcast to a group's (rows, last) or (rows, 1) layout (a view if it can)."""
-    c = last if (x.ndim and x.shape[-1] == last and last != 1) else 1
-    return np.broadcast_to(x, lead + (c,)).reshape(-1, c)
+_UFUNCS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
+           "pow": np.power, "maximum": np.maximum, "minimum": np.minimum, "lt": np.less,
+           "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
+           "ne": np.not_equal, "neg": np.negative, "not": np.logical_not, "abs": np.abs,
+           "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh, "sin": np.sin,
+           "cos": np.cos}
 
 
-def group_kernel(node: Node):
-    """A fused group (pointwise ops, last-dim reductions, random draws over the same rows) as
-    one cache-blocked numpy function ``run(*inputs, out=None, **keys)``: each block of rows
-    goes through every op before the next block is read, so intermediates stay in cache."""
-    from dtensor import random
-    from dtensor.ops import blockwise
-    ops, shape, dtype = node.params["ops"], tuple(node.shape), node.dtype
-    lead, last = node.params["row_shape"]
-    rows = int(np.prod(lead))
-    from dtensor.ops import structural
-    # The ops' own impls: a float16 sum accumulates in float32 and rounds once, as eager's.
-    reduce = {"sum": structural.sum.impl, "max": structural.max.impl}
-    draw = {"rand": random.uniform, "randn": random.normal}
+class GroupKernel(kernels.Kernel):
+    """A fused group (pointwise ops, row reductions, draws over the same rows) rendered as
+    numpy calls over cache-sized blocks of rows: each block goes through every op before the
+    next is read, so intermediates stay in cache."""
 
-    def run(*inputs, out=None, **keys):
-        out = np.empty(shape, dtype) if out is None else out
-        flat = out.reshape(rows, shape[-1])
-        views = [rows_view(x, lead, last) for x in inputs]
+    def __init__(self, node: Node, found):
+        super().__init__(node, found)
+        from dtensor import random
+        from dtensor.ops import pointwise, structural
+        # The ops' own impls where numpy's function differs (where's dtype, float16 sums).
+        self.table = {**_UFUNCS, "where": pointwise.where.impl, "rand": random.rand,
+                      "randn": random.randn,
+                      "rowsum": lambda v: structural.sum.impl(v, axis=1, keepdims=True),
+                      "rowmax": lambda v: structural.max.impl(v, axis=1, keepdims=True)}
+
+    def launch(self, arrays, out, keys):
+        C, flat = self.C, out.reshape(self.R, self.out_cols)
+        views = [np.broadcast_to(a.reshape(shape), self.lead + (
+            1 if lay.col_stride == 0 else C,)).reshape(self.R, -1)
+            for a, shape, lay in zip(arrays, self.in_shapes, self.inputs)]
+        table = self.table
 
         def block(lo, hi):
-            vals = []
-            for j, (name, op, refs, params) in enumerate(ops):
-                if name in draw:  # element i of the draw is f(key, flat index i)
-                    offsets = np.arange(lo * last, hi * last, dtype=np.int64).reshape(-1, last)
-                    vals.append(draw[name](keys[f"key{j}"], offsets, params["dtype"]))
-                    continue
-                args = [views[r][lo:hi] if kind == "in" else vals[r] if kind == "op" else r
-                        for kind, r in refs]
-                vals.append(reduce[name](args[0], axis=1, keepdims=True) if name in reduce
-                            else op.impl(*args, **params))
-            flat[lo:hi] = vals[-1]
+            row, col = np.arange(lo, hi)[:, None], np.arange(C)[None, :]
+            keep = col <= row % self.L if self.causal else None
+            v = {}
+            for e in self.nodes:
+                a = [v[id(x)] for x in e.args]
+                p = e.prim
+                if p in ("rowsum", "rowmax"):
+                    full = np.broadcast_to(a[0], (hi - lo, C))
+                    if keep is not None:
+                        full = np.where(keep, full, 0 if p == "rowsum" else -np.inf)
+                    r = table[p](full)
+                elif p in ("rand", "randn"):
+                    r = table[p](keys[e.attr], np.broadcast_to(a[0], (hi - lo, C)))
+                else:
+                    r = (views[e.attr][lo:hi] if p == "in" else self.literal(e.attr)
+                         if p == "const" else row if p == "row" else col if p == "col"
+                         else C if p == "cols" else np.asarray(a[0]).astype(e.attr)
+                         if p == "cast" else table[p](*a))
+                v[id(e)] = r
+            r = v[id(self.root)]
+            flat[lo:hi] = np.where(keep, r, 0) if keep is not None else r
 
-        blockwise.run_rows(block, rows, last * dtype.itemsize)
-        return out
-
-    return run
+        with np.errstate(all="ignore"):  # as the generated kernels: no warnings
+            blockwise.run_rows(block, self.R, C * self.dtype.itemsize)

@@ -104,11 +104,17 @@ CASES = {
 
 
 def test_every_kernel_op_has_a_case():
-    """An op the kernels spell (its ``lower`` an expression, not a row kernel, a reduction or
-    an external call) with no row here fails: none slips in untested."""
-    spelled = {name for name, op in OPS.items()
-               if op.lower and ":" not in op.lower and op.lower not in ("view", "rand", "randn")}
+    """A pointwise op with a kernel expression and no row here fails: none slips in untested."""
+    spelled = {name for name, op in OPS.items() if op.lower and op.shard == "pointwise"}
     assert spelled == {c[0] for c in CASES.values()}
+
+
+def test_every_lower_is_an_expression_a_kernel_reads():
+    """``lower`` is an expression builder or nothing, and only on the op kinds compile/kernels.py
+    turns into kernels (no tag that no backend reads)."""
+    lowered = {name: op.shard for name, op in OPS.items() if op.lower is not None}
+    assert all(callable(OPS[name].lower) for name in lowered)
+    assert set(lowered.values()) == {"pointwise", "rowwise", "reduce", "factory"}
 
 
 def _bound(ref, args, k):
@@ -280,7 +286,7 @@ def _logp_of(x):
 
 
 def test_every_row_kernel_has_a_case():
-    rows = {name for name, op in OPS.items() if op.lower and op.lower.startswith("rowwise:")}
+    rows = {name for name, op in OPS.items() if op.lower and op.shard == "rowwise"}
     assert rows == {c[0] for c in ROWS.values()}
 
 

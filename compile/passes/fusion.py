@@ -1,7 +1,7 @@
 """Fusion: chains of pointwise ops become one ``fused`` node (one kernel), and pointwise ops
 mixed with last-dim reductions over the same rows one ``fused_rows`` node.
 
-A pointwise op (registry ``shard == "pointwise"`` with a ``lower`` template) joins the group of
+A pointwise op (registry ``shard == "pointwise"`` with a ``lower`` expression) joins the group of
 an input when that input is the group's last node, has no other user, and has the same shape;
 two groups that meet at one op merge. Intermediate values of a group are therefore never seen
 outside it, and the fused node sits where its last op was, after every external input. Inputs
@@ -13,7 +13,7 @@ one ``adamw_group`` node, one kernel over every parameter, as PyTorch's fused/fo
 
 The fused node keeps its ops (``node.params["ops"]``: (name, op, inputs, params) with inputs
 naming external inputs as ("in", k) and earlier ops as ("op", j)); each backend generates its
-kernel from that list (numpy: cache-blocked ufunc calls; Triton: one @triton.jit kernel).
+kernel from that list (compile/kernels.py).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def pointwise_op(n: Node):
     """The registry op of a fusible node, else None."""
     op = OPS.get(n.name)
     if (n.kind != "op" or op is None or op.shard != "pointwise" or n.variant != "impl"
-            or not isinstance(op.lower, str) or op.lower.startswith(("extern", "rowwise"))):
+            or op.lower is None):
         return None
     return op
 
@@ -54,15 +54,27 @@ def row_reduction(n: Node) -> bool:
             and tuple(n.params.get("axis", ())) == (len(x.shape) - 1,))
 
 
+def row_op(n: Node) -> bool:
+    """A row-wise op (softmax, normalize, their backwards) whose inputs and output are the same
+    whole rows: a row group can hold it, so the pointwise ops around it share its kernel (a
+    LayerNorm's g * w and the normalize backward it feeds). Not a causal softmax (its column
+    limit is the whole kernel's) nor an op with one value per row (cross-entropy)."""
+    op = OPS.get(n.name)
+    return (n.kind == "op" and n.variant == "impl" and op is not None and op.shard == "rowwise"
+            and op.lower is not None and not op.meta.get("per_row")
+            and not n.params.get("causal") and bool(n.shape)
+            and all(isinstance(a, Node) and a.shape == n.shape for a in n.inputs))
+
+
 def random_source(n: Node) -> bool:
     """rand/randn on a whole tensor: element i is a pure function of (key, i), so a kernel can
     draw it where it is used (dropout's mask is computed, never stored)."""
     return n.kind == "op" and n.name in ("rand", "randn") and n.variant == "impl"
 
 
-def _fusible(n: Node) -> bool:
+def _fusible(n: Node, row_ops: bool) -> bool:
     return bool(n.shape) and (pointwise_op(n) is not None or row_reduction(n)
-                              or random_source(n))
+                              or random_source(n) or (row_ops and row_op(n)))
 
 
 def _fits(group_shape, shape) -> bool:
@@ -76,14 +88,15 @@ def _row_shape(shapes) -> tuple:
     return tuple(shapes[0][:-1]), max(s[-1] for s in shapes)
 
 
-def fuse_pointwise(graph: Graph) -> Graph:
+def fuse_pointwise(graph: Graph, row_ops: bool = False) -> Graph:
     """Pointwise chains, and row groups: pointwise ops and last-dim reductions over the same
-    rows (an RMSNorm: square, sum, scale, sqrt, divide, weight) become one node."""
+    rows (an RMSNorm: square, sum, scale, sqrt, divide, weight) become one node; with
+    ``row_ops``, row-wise ops (``row_op``) join them too."""
     users = graph.users()
     out_ids = {o.id for o in graph.outputs if isinstance(o, Node)}
     group_of: dict[int, list[Node]] = {}  # node id -> its group (members in program order)
     for n in graph.nodes:
-        if not _fusible(n):
+        if not _fusible(n, row_ops):
             continue
         members = []
         for a in ([] if random_source(n) else n.inputs):  # a draw starts a group
@@ -92,7 +105,7 @@ def fuse_pointwise(graph: Graph) -> Graph:
                     and a.id not in out_ids and g is not members):
                 merged = sorted(set(members) | set(g), key=lambda m: m.id) if members else g
                 shapes = [m.shape for m in merged] + [n.shape]
-                rows = any(row_reduction(m) for m in merged + [n])
+                rows = any(row_reduction(m) or row_op(m) for m in merged + [n])
                 draws = any(random_source(m) for m in merged)
                 if all(_fits(_row_shape(shapes), sh) for sh in shapes) and (
                         (rows and not draws) or all(sh == n.shape for sh in shapes)):
@@ -117,7 +130,7 @@ def fuse_pointwise(graph: Graph) -> Graph:
             refs = []
             if random_source(m):  # no inputs: its template only gave the shape
                 keys[f"key{len(ops)}"] = m.params["key"]
-                ops.append((m.name, None, [], {"dtype": m.params["dtype"]}))
+                ops.append((m.name, OPS[m.name], [], {"dtype": m.params["dtype"]}))
                 continue
             for a in m.inputs:
                 if isinstance(a, Node) and a.id in inside:
@@ -128,8 +141,8 @@ def fuse_pointwise(graph: Graph) -> Graph:
                     refs.append(("in", next(k for k, e in enumerate(externals) if e is a)))
                 else:
                     refs.append(("const", a))
-            ops.append((m.name, pointwise_op(m), refs, dict(m.params)))
-        rows = any(row_reduction(m) for m in group)
+            ops.append((m.name, OPS[m.name], refs, dict(m.params)))
+        rows = any(row_reduction(m) or row_op(m) for m in group)
         # a key is a Slot: the runtime passes key<j>=...
         params = {"ops": ops, "row_shape": _row_shape([m.shape for m in group]), **keys}
         fused = Node(tail.id, "op", "fused_rows" if rows else "fused", externals, params,

@@ -20,6 +20,7 @@ import math
 import numpy as np
 
 from dtensor.ops import blockwise
+from dtensor.ops import expr as K
 from dtensor.ops.pointwise import pointwise_abstract
 from dtensor.ops.registry import Aval, defop
 from dtensor.ops.structural import accumulate_dtype, check_rows
@@ -90,13 +91,23 @@ def _pointwise_new(kernel, x, *more):
     return blockwise.pointwise(kernel, np.empty_like(x), x, *[_contig(m) for m in more])
 
 
+def _erf_lower(x):
+    """erf_block as a kernel expression: 1 - erfc(|x|) with x's sign, the series below 1/2."""
+    z = K.abs(x)
+    t = 1.0 / (z * 0.5 + 1.0)
+    r = 1.0 - K.exp(K.polynomial(t, _ERFC_COEFFS) - z * z) * t
+    x2 = x * x
+    return K.where(z < _ERF_SMALL, K.polynomial(x2, _ERF_SERIES[::-1]) * x,
+                   K.where(x < 0, -r, r))
+
+
 # ---------------------------------------------------------------- erf
 
 # d erf(x)/dx = 2/sqrt(pi) exp(-x^2)
 erf = defop(
     "erf", impl=lambda x: _pointwise_new(erf_block, x), abstract=pointwise_abstract,
     vjp=lambda g, out, x: (g * _TWO_OVER_SQRT_PI * (-(x * x)).exp(),),
-    linearity="none", shard="pointwise", lower="erf({0})")
+    linearity="none", shard="pointwise", lower=_erf_lower)
 
 
 # ---------------------------------------------------------------- gelu
@@ -195,6 +206,34 @@ def _gelu_tanh_grad_block(out, g, x, y):
     out *= g
 
 
+def _tanh_parts_lower(x):
+    u = (x * x * _TANH_C + 1.0) * x * _SQRT_2_OVER_PI
+    e = K.exp(K.abs(u) * -2.0)
+    r = 1.0 / (e + 1.0)
+    return u, e, r, K.where(u >= 0, r, e * r)
+
+
+def _gelu_lower(x, approximate):
+    """_gelu_erf_block / _gelu_tanh_block as kernel expressions."""
+    if approximate == "tanh":
+        return _tanh_parts_lower(x)[3] * x
+    a = K.minimum(K.abs(x), 64.0)
+    t = 1.0 / (a * _Q_P + 1.0)
+    q = K.polynomial(t, _Q_COEFFS) * t * K.exp(x * x * -0.5) * a
+    return K.maximum(x, 0.0) - q
+
+
+def _gelu_backward_lower(g, x, y, approximate):
+    """_gelu_erf_grad_block / _gelu_tanh_grad_block as kernel expressions."""
+    if approximate == "tanh":
+        u, e, r, s = _tanh_parts_lower(x)
+        du = (x * x * (3.0 * _TANH_C) + 1.0) * (2.0 * _SQRT_2_OVER_PI) * x * e * r * r
+        return (s + du) * g
+    near = x * x < K.lift({k: v * v for k, v in _NEAR_ZERO.items()})
+    phi = K.where(near, x * _INV_SQRT_2PI + 0.5, y / K.where(near, 1.0, x))
+    return (phi + K.exp(x * x * -0.5) * _INV_SQRT_2PI * x) * g
+
+
 def _gelu_impl(x, approximate):
     return _pointwise_new(_gelu_erf_block if approximate == "none" else _gelu_tanh_block, x)
 
@@ -209,13 +248,13 @@ def _gelu_backward_impl(g, x, y, approximate):
 gelu = defop(
     "gelu", impl=_gelu_impl, abstract=lambda x, approximate: Aval(x.shape, x.dtype),
     vjp=lambda g, out, x, approximate: (gelu_backward(g, x, out, approximate=approximate),),
-    shard="pointwise", lower="gelu_{approximate}({0})", params={"approximate": ("none", "tanh")})
+    shard="pointwise", lower=_gelu_lower, params={"approximate": ("none", "tanh")})
 
 # gelu_backward(g, x, y): the gradient through y = gelu(x), given the forward's output y.
 gelu_backward = defop(
     "gelu_backward", impl=_gelu_backward_impl,
     abstract=lambda g, x, y, approximate: pointwise_abstract(g, x, y), shard="pointwise",
-    lower="gelu_{approximate}_grad({0}, {1}, {2})", params={"approximate": ("none", "tanh")})
+    lower=_gelu_backward_lower, params={"approximate": ("none", "tanh")})
 
 # ---------------------------------------------------------------- softmax over the last dim
 
@@ -332,23 +371,36 @@ def _softmax_impl(x, causal):
     return out
 
 
+def _softmax_lower(x, causal=False):
+    e = K.exp(x - K.rowmax(x))
+    y = e / K.rowsum(e)
+    return K.causal(y) if causal else y
+
+
+def _log_softmax_lower(x):
+    z = x - K.rowmax(x)
+    return z - K.log(K.rowsum(K.exp(z)))
+
+
 softmax = defop(
     "softmax", impl=_softmax_impl, abstract=lambda x, causal: Aval(x.shape, x.dtype),
     vjp=lambda g, out, x, causal: (softmax_backward(g, out),), shard="rowwise",
-    lower="rowwise:softmax")
+    lower=_softmax_lower)
 
 softmax_backward = defop(
     "softmax_backward", impl=lambda g, y: _rowwise_new(_softmax_backward_block, g, y),
-    abstract=_last_dim_abstract, shard="rowwise", lower="rowwise:softmax_backward")
+    abstract=_last_dim_abstract, shard="rowwise",
+    lower=lambda g, y: (g - K.rowsum(g * y)) * y)
 
 log_softmax = defop(
     "log_softmax", impl=lambda x: _rowwise_new(_log_softmax_block, x), abstract=_last_dim_abstract,
     vjp=lambda g, out, x: (log_softmax_backward(g, out),), shard="rowwise",
-    lower="rowwise:log_softmax")
+    lower=_log_softmax_lower)
 
 log_softmax_backward = defop(
     "log_softmax_backward", impl=lambda g, logp: _rowwise_new(_log_softmax_backward_block, g, logp),
-    abstract=_last_dim_abstract, shard="rowwise", lower="rowwise:log_softmax_backward")
+    abstract=_last_dim_abstract, shard="rowwise",
+    lower=lambda g, lp: g - K.exp(lp) * K.rowsum(g))
 
 
 # ---------------------------------------------------------------- layer-norm core
@@ -392,18 +444,28 @@ def _normalize_backward_block(out, g, x, eps):
     out -= d
 
 
+def _normalize_lower(x, eps, g=None):
+    """(x - mean) rstd; with g, normalize's backward as _normalize_backward_block forms it."""
+    d = x - K.rowsum(x) / K.cols
+    rstd = 1.0 / K.sqrt(K.rowsum(d * d) / K.cols + eps)
+    if g is None:
+        return d * rstd
+    c = K.rowsum(g * d) * rstd * rstd * rstd / K.cols
+    return (g - K.rowsum(g) / K.cols) * rstd - d * c
+
+
 normalize = defop(
     "normalize", impl=lambda x, eps: _rowwise_new(
         lambda o, a: _normalize_block(o, a, eps), x),
     abstract=lambda x, eps: Aval(x.shape, x.dtype),
     vjp=lambda g, out, x, eps: (normalize_backward(g, x, eps=eps),),
-    shard="rowwise", lower="rowwise:normalize")
+    shard="rowwise", lower=_normalize_lower)
 
 normalize_backward = defop(
     "normalize_backward", impl=lambda g, x, eps: _rowwise_new(
         lambda o, a, b: _normalize_backward_block(o, a, b, eps), g, x),
     abstract=lambda g, x, eps: Aval(x.shape, x.dtype), shard="rowwise",
-    lower="rowwise:normalize_backward")
+    lower=lambda g, x, eps: _normalize_lower(x, eps, g))
 
 # ---------------------------------------------------------------- softmax cross-entropy
 
@@ -474,15 +536,25 @@ def _cross_entropy_abstract(x, target):
 # -log softmax(x)[target] per row, from logits over the last dim: one pass over the logits
 # forward (max, exp, sum, and the target's logit), one backward (softmax - onehot), and nothing
 # of the (rows, classes) size stored in between.
+def _cross_entropy_lower(x, target, g=None):
+    """Per row: logsumexp(x) - x[target]; with g (one per row), g (softmax(x) - onehot)."""
+    e = K.exp(x - K.rowmax(x))
+    if g is not None:
+        return e * (g / K.rowsum(e)) - K.where(K.eq(K.col, target), g, 0.0)
+    return (K.log(K.rowsum(e)) + K.rowmax(x)) - K.rowsum(K.where(K.eq(K.col, target), x, 0.0))
+
+
 softmax_cross_entropy = defop(
     "softmax_cross_entropy", impl=_softmax_cross_entropy_impl, abstract=_cross_entropy_abstract,
     vjp=lambda g, out, x, target: (softmax_cross_entropy_backward(g, x, target), None),
-    shard="rowwise", lower="rowwise:softmax_cross_entropy", nondiff=(1,))
+    shard="rowwise", lower=_cross_entropy_lower, nondiff=(1,), per_row=(1,),
+    check=lambda x, target: logit_rows(x, target))
 
 softmax_cross_entropy_backward = defop(
     "softmax_cross_entropy_backward", impl=_softmax_cross_entropy_backward_impl,
     abstract=lambda g, x, target: Aval(tuple(x.shape), x.dtype), shard="rowwise",
-    lower="rowwise:softmax_cross_entropy_backward", nondiff=(2,))
+    lower=lambda g, x, target: _cross_entropy_lower(x, target, g), nondiff=(2,),
+    per_row=(0, 2), check=lambda g, x, target: logit_rows(x, target))
 
 # ---------------------------------------------------------------- AdamW update
 
@@ -527,4 +599,4 @@ adamw_step = defop(
     "adamw_step", impl=lambda p, g, m, v, **hp: adamw_update(p, g, m, v, **hp).reshape(
         (3,) + p.shape),
     abstract=lambda p, g, m, v, **hp: Aval((3,) + tuple(p.shape), p.dtype),
-    shard="pointwise_stacked", lower="pointwise:adamw_step")
+    shard="pointwise_stacked")

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 
+from dtensor.ops import expr as K
 from dtensor.ops.registry import Aval, defop
 
 
@@ -63,32 +64,32 @@ def _unary(name, impl, vjp, lower, linearity="none", **meta):
 add = _binary(
     "add", np.add,
     lambda g, out, x, y: (lambda: unbroadcast(g, _shape(x)), lambda: unbroadcast(g, _shape(y))),
-    "all", "({0} + {1})")
+    "all", lambda x, y: x + y)
 
 sub = _binary(
     "sub", np.subtract,
     lambda g, out, x, y: (lambda: unbroadcast(g, _shape(x)), lambda: -unbroadcast(g, _shape(y))),
-    "all", "({0} - {1})")
+    "all", lambda x, y: x - y)
 
 mul = _binary(
     "mul", np.multiply,
     lambda g, out, x, y: (lambda: unbroadcast(g * y, _shape(x)),
                           lambda: unbroadcast(g * x, _shape(y))),
-    "one", "({0} * {1})")
+    "one", lambda x, y: x * y)
 
 # d(x/y)/dy = -x/y^2 = -out/y
 div = _binary(
     "div", np.true_divide,
     lambda g, out, x, y: (lambda: unbroadcast(g / y, _shape(x)),
                           lambda: unbroadcast(-g * out / y, _shape(y))),
-    (0,), "({0} / {1})")
+    (0,), lambda x, y: x / y)
 
 # d(x^y)/dx = y x^(y-1); d(x^y)/dy = x^y log x (only defined for x > 0)
 pow = _binary(
     "pow", np.power,
     lambda g, out, x, y: (lambda: unbroadcast(g * y * x ** (y - 1), _shape(x)),
                           lambda: unbroadcast(g * out * _log(x), _shape(y))),
-    "none", "pow({0}, {1})", domain="positive")
+    "none", K.pow, domain="positive")
 
 
 def _maximum_vjp(g, out, x, y):
@@ -103,27 +104,28 @@ def _maximum_vjp(g, out, x, y):
     return gx, gy
 
 
-maximum = _binary("maximum", np.maximum, _maximum_vjp, "none", "maximum({0}, {1})")
+maximum = _binary("maximum", np.maximum, _maximum_vjp, "none", K.maximum)
 
-neg = _unary("neg", np.negative, lambda g, out, x: (-g,), "(-{0})", linearity="all")
-exp = _unary("exp", np.exp, lambda g, out, x: (g * out,), "exp({0})")
-log = _unary("log", np.log, lambda g, out, x: (g / x,), "log({0})", domain="positive")
-sqrt = _unary("sqrt", np.sqrt, lambda g, out, x: (g * 0.5 / out,), "sqrt({0})",
+neg = _unary("neg", np.negative, lambda g, out, x: (-g,), K.neg, linearity="all")
+exp = _unary("exp", np.exp, lambda g, out, x: (g * out,), K.exp)
+log = _unary("log", np.log, lambda g, out, x: (g / x,), K.log, domain="positive")
+sqrt = _unary("sqrt", np.sqrt, lambda g, out, x: (g * 0.5 / out,), K.sqrt,
               domain="positive")
-tanh = _unary("tanh", np.tanh, lambda g, out, x: (g * (1.0 - out * out),), "tanh({0})")
+tanh = _unary("tanh", np.tanh, lambda g, out, x: (g * (1.0 - out * out),), K.tanh)
 # Comparisons produce booleans and have no gradient.
-eq = defop("eq", impl=np.equal, abstract=compare_abstract, shard="pointwise", lower="({0} == {1})")
+eq = defop("eq", impl=np.equal, abstract=compare_abstract, shard="pointwise", lower=K.eq)
 ne = defop("ne", impl=np.not_equal, abstract=compare_abstract, shard="pointwise",
-           lower="({0} != {1})")
-lt = defop("lt", impl=np.less, abstract=compare_abstract, shard="pointwise", lower="({0} < {1})")
+           lower=K.ne)
+lt = defop("lt", impl=np.less, abstract=compare_abstract, shard="pointwise",
+           lower=lambda x, y: x < y)
 le = defop("le", impl=np.less_equal, abstract=compare_abstract, shard="pointwise",
-           lower="({0} <= {1})")
+           lower=lambda x, y: x <= y)
 gt = defop("gt", impl=np.greater, abstract=compare_abstract, shard="pointwise",
-           lower="({0} > {1})")
+           lower=lambda x, y: x > y)
 ge = defop("ge", impl=np.greater_equal, abstract=compare_abstract, shard="pointwise",
-           lower="({0} >= {1})")
+           lower=lambda x, y: x >= y)
 logical_not = defop("logical_not", impl=np.logical_not, abstract=compare_abstract,
-                    shard="pointwise", lower="(~{0})")
+                    shard="pointwise", lower=lambda x: ~x)
 
 
 def _where_abstract(c, x, y):
@@ -142,20 +144,20 @@ where = defop(
     "where", impl=_where_impl, abstract=_where_abstract,
     vjp=lambda g, out, c, x, y: (None, lambda: unbroadcast(where(c, g, 0.0), _shape(x)),
                                  lambda: unbroadcast(where(c, 0.0, g), _shape(y))),
-    linearity="all", shard="pointwise", lower="where({0}, {1}, {2})", nondiff=(0,))
+    linearity="all", shard="pointwise", lower=K.where, nondiff=(0,))
 
 
 cast = defop(
     "cast", impl=lambda x, dtype: x.astype(dtype),
     abstract=lambda x, dtype: Aval(x.shape, np.dtype(dtype)),
     vjp=lambda g, out, x, dtype: (cast(g, dtype=x.dtype),),
-    linearity="all", shard="pointwise", lower="cast({0}, {dtype})")
+    linearity="all", shard="pointwise", lower=K.cast)
 
 
 # ---------------------------------------------------------------- Llama-style models' pointwise
 
-cos = _unary("cos", np.cos, lambda g, out, x: (-(g * sin(x)),), "cos({0})")
-sin = _unary("sin", np.sin, lambda g, out, x: (g * cos(x),), "sin({0})")
+cos = _unary("cos", np.cos, lambda g, out, x: (-(g * sin(x)),), K.cos)
+sin = _unary("sin", np.sin, lambda g, out, x: (g * cos(x),), K.sin)
 
 
 def _rsqrt_impl(x):
@@ -165,23 +167,29 @@ def _rsqrt_impl(x):
 
 # d x^(-1/2) / dx = -x^(-3/2) / 2 = -out^3 / 2
 rsqrt = _unary("rsqrt", _rsqrt_impl,
-               lambda g, out, x: (g * (-0.5) * (out * out * out),), "rsqrt({0})",
+               lambda g, out, x: (g * (-0.5) * (out * out * out),), lambda x: 1.0 / K.sqrt(x),
                domain="positive")
 
 
 def _sigmoid_impl(x):
     # exp(-|x|) never overflows, and e / (1 + e) keeps the relative precision of tiny results
-    # for x << 0 (1 - 1 / (1 + e) would cancel). The C and Triton spellings use the same form.
+    # for x << 0 (1 - 1 / (1 + e) would cancel). Its kernel expression is the same form.
     e = np.exp(-np.abs(x))
     s = 1.0 / (1.0 + e)
     return np.where(x < 0, e * s, s)
 
 
+def _sigmoid_lower(x):
+    e = K.exp(-K.abs(x))
+    s = 1.0 / (1.0 + e)
+    return K.where(x < 0, e * s, s)
+
+
 sigmoid = _unary("sigmoid", _sigmoid_impl, lambda g, out, x: (g * (out * (1.0 - out)),),
-                 "sigmoid({0})")
+                 _sigmoid_lower)
 # The subgradient sign(x), 0 at 0 (as torch.abs).
 abs = _unary("abs", np.abs, lambda g, out, x: (where(x > 0, g, 0.0) - where(x < 0, g, 0.0),),
-             "abs({0})")
+             K.abs)
 
 
 def _clamp_vjp(g, out, x, lo, hi):
@@ -203,4 +211,4 @@ def _clamp_vjp(g, out, x, lo, hi):
 clamp = defop(
     "clamp", impl=lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi),
     abstract=pointwise_abstract, vjp=_clamp_vjp, linearity="none", shard="pointwise",
-    lower="clamp({0}, {1}, {2})")
+    lower=lambda x, lo, hi: K.minimum(K.maximum(x, lo), hi))

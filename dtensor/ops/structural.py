@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from dtensor import random as _random
+from dtensor.ops import expr as K
 from dtensor.ops.pointwise import unbroadcast
 from dtensor.ops.registry import Aval, defop
 
@@ -55,7 +56,8 @@ def _sum_impl(x, axis, keepdims):
 sum = defop(
     "sum", impl=_sum_impl,
     abstract=lambda x, axis, keepdims: Aval(_reduced_shape(x.shape, axis, keepdims), x.dtype),
-    vjp=_sum_vjp, linearity="all", shard="reduce", lower="reduce:sum")
+    vjp=_sum_vjp, linearity="all", shard="reduce",
+    lower=lambda x, axis, keepdims: K.rowsum(x))  # in a kernel: a last-dim, keepdims sum
 
 
 def _max_vjp(g, out, x, axis, keepdims):
@@ -78,7 +80,8 @@ def _max_local(x, axis, keepdims, *, in_blocks, out_block):
 max = defop(
     "max", impl=lambda x, axis, keepdims: np.max(x, axis=axis, keepdims=keepdims),
     abstract=lambda x, axis, keepdims: Aval(_reduced_shape(x.shape, axis, keepdims), x.dtype),
-    vjp=_max_vjp, linearity="none", shard="reduce", lower="reduce:max", local=_max_local)
+    vjp=_max_vjp, linearity="none", shard="reduce", local=_max_local,
+    lower=lambda x, axis, keepdims: K.rowmax(x))
 
 
 
@@ -92,7 +95,7 @@ def _argmax_abstract(x, axis, keepdims):
 argmax = defop(
     "argmax",
     impl=lambda x, axis, keepdims: np.argmax(x, axis=axis, keepdims=keepdims).astype(np.int64),
-    abstract=_argmax_abstract, shard="along", lower="extern:argmax")
+    abstract=_argmax_abstract, shard="along")
 
 
 def _cumsum_dtype(dtype) -> np.dtype:
@@ -116,7 +119,7 @@ cumsum = defop(
     "cumsum", impl=_cumsum_impl,
     abstract=lambda x, axis, reverse: Aval(tuple(x.shape), _cumsum_dtype(x.dtype)),
     vjp=lambda g, out, x, axis, reverse: (cumsum(g, axis=axis, reverse=not reverse),),
-    linearity="all", shard="along", lower="extern:cumsum")
+    linearity="all", shard="along")
 
 # ---------------------------------------------------------------- shape ops
 
@@ -129,19 +132,19 @@ reshape = defop(
     "reshape", impl=lambda x, shape: np.reshape(x, shape),
     abstract=lambda x, shape: Aval(shape, x.dtype),
     vjp=lambda g, out, x, shape: (g.reshape(x.shape),),
-    linearity="all", shard="reshape", lower="view", localize=_block_shape)
+    linearity="all", shard="reshape", localize=_block_shape)
 
 permute = defop(
     "permute", impl=lambda x, axes: np.transpose(x, axes),
     abstract=lambda x, axes: Aval(tuple(x.shape[a] for a in axes), x.dtype),
     vjp=lambda g, out, x, axes: (g.permute(*np.argsort(axes).tolist()),),
-    linearity="all", shard="permute", lower="view")
+    linearity="all", shard="permute")
 
 broadcast_to = defop(
     "broadcast_to", impl=lambda x, shape: np.broadcast_to(x, shape),
     abstract=lambda x, shape: Aval(shape, x.dtype),
     vjp=lambda g, out, x, shape: (unbroadcast(g, x.shape),),
-    linearity="all", shard="broadcast", lower="view", localize=_block_shape)
+    linearity="all", shard="broadcast", localize=_block_shape)
 
 
 def index_key(key):
@@ -154,7 +157,7 @@ getitem = defop(
     abstract=lambda x, key: Aval(np.broadcast_to(np.empty((), np.bool_), x.shape)[
         index_key(key)].shape, x.dtype),
     vjp=lambda g, out, x, key: (slice_scatter(g, shape=tuple(x.shape), key=key),),
-    linearity="all", shard="getitem", lower="view",
+    linearity="all", shard="getitem",
     localize=lambda params, ins, out: {"key": ins[0].local_key(params["key"])})
 
 
@@ -169,7 +172,7 @@ slice_scatter = defop(
     "slice_scatter", impl=_slice_scatter_impl,
     abstract=lambda g, shape, key: Aval(shape, g.dtype),
     vjp=lambda g2, out, g, shape, key: (getitem(g2, key=key),),
-    linearity="all", shard="slice_scatter", lower="extern:slice_scatter",
+    linearity="all", shard="slice_scatter",
     localize=lambda params, ins, out: {"shape": out.local_shape,
                                        "key": out.local_key(params["key"])})
 
@@ -194,7 +197,7 @@ def _cat_vjp(g, out, *xs, axis):
 
 cat = defop(
     "cat", impl=lambda *xs, axis: np.concatenate(xs, axis=axis), abstract=_cat_abstract,
-    vjp=_cat_vjp, linearity="all", shard="cat", lower="extern:cat")
+    vjp=_cat_vjp, linearity="all", shard="cat")
 
 # Each entry of x repeated ``repeats`` times along ``axis`` (torch.repeat_interleave with an
 # int): the gradient sums each run of copies.
@@ -203,7 +206,7 @@ repeat_interleave = defop(
     abstract=lambda x, repeats, axis: Aval(
         tuple(n * repeats if d == axis else n for d, n in enumerate(x.shape)), x.dtype),
     vjp=lambda g, out, x, repeats, axis: (group_sum(g, repeats=repeats, axis=axis),),
-    linearity="all", shard="repeat", lower="extern:repeat_interleave")
+    linearity="all", shard="repeat")
 
 
 def _group_sum_impl(g, repeats, axis):
@@ -236,7 +239,7 @@ def _group_sum_local(g, repeats, axis, *, in_blocks, out_block):
 group_sum = defop(
     "group_sum", impl=_group_sum_impl, abstract=_group_sum_abstract,
     vjp=lambda g, out, x, repeats, axis: (repeat_interleave(g, repeats=repeats, axis=axis),),
-    linearity="all", shard="group_sum", lower="extern:group_sum", local=_group_sum_local)
+    linearity="all", shard="group_sum", local=_group_sum_local)
 
 
 def _tri_abstract(x, diagonal):
@@ -252,12 +255,12 @@ def _tri_abstract(x, diagonal):
 tril = defop(
     "tril", impl=lambda x, diagonal: np.tril(x, diagonal), abstract=_tri_abstract,
     vjp=lambda g, out, x, diagonal: (tril(g, diagonal=diagonal),),
-    linearity="all", shard="matrix", lower="extern:tril")
+    linearity="all", shard="matrix")
 
 triu = defop(
     "triu", impl=lambda x, diagonal: np.triu(x, diagonal), abstract=_tri_abstract,
     vjp=lambda g, out, x, diagonal: (triu(g, diagonal=diagonal),),
-    linearity="all", shard="matrix", lower="extern:triu")
+    linearity="all", shard="matrix")
 
 # ---------------------------------------------------------------- contraction
 
@@ -320,7 +323,7 @@ def _matmul_dy(g, x, y):
 matmul = defop(
     "matmul", impl=_matmul_impl, abstract=_matmul_abstract,
     vjp=lambda g, out, x, y: (lambda: unbroadcast(g @ y.mT, x.shape), lambda: _matmul_dy(g, x, y)),
-    linearity="one", shard="matmul", lower="extern:matmul")
+    linearity="one", shard="matmul")
 
 # ---------------------------------------------------------------- gather / scatter along dim 0
 
@@ -378,7 +381,7 @@ index_select = defop(
     "index_select", impl=_index_select_impl,
     abstract=lambda w, idx: Aval(tuple(idx.shape) + tuple(w.shape[1:]), w.dtype),
     vjp=lambda g, out, w, idx: (index_add(g, idx, w), None),
-    linearity="all", shard="index_select", lower="extern:take", nondiff=(1,),
+    linearity="all", shard="index_select", nondiff=(1,),
     local=_index_select_local)
 
 
@@ -426,7 +429,7 @@ index_add = defop(
     "index_add", impl=lambda g, idx, like: index_add_rows(g, idx, like.shape[0]),
     abstract=lambda g, idx, like: Aval((like.shape[0],) + tuple(g.shape[idx.ndim:]), g.dtype),
     vjp=lambda g2, out, g, idx, like: (index_select(g2, idx), None, None),
-    linearity="all", shard="index_add", lower="extern:index_add", nondiff=(1, 2),
+    linearity="all", shard="index_add", nondiff=(1, 2),
     local=_index_add_local, template=2)
 
 # ---------------------------------------------------------------- gather / scatter along a dim
@@ -466,7 +469,7 @@ gather = defop(
     "gather", impl=_gather_impl,
     abstract=_gather_abstract,
     vjp=lambda g, out, x, idx, axis: (scatter_add(g, idx, x, axis=axis), None),
-    linearity="all", shard="gather", lower="extern:gather", nondiff=(1,), local=_gather_local)
+    linearity="all", shard="gather", nondiff=(1,), local=_gather_local)
 
 
 def scatter_add_along(g, idx, axis, size):
@@ -505,7 +508,7 @@ scatter_add = defop(
         tuple(like.shape[axis] if d == axis % len(g.shape) else n
               for d, n in enumerate(g.shape)), g.dtype),
     vjp=lambda g2, out, g, idx, like, axis: (gather(g2, idx, axis=axis), None, None),
-    linearity="all", shard="scatter_add", lower="extern:scatter_add", nondiff=(1, 2),
+    linearity="all", shard="scatter_add", nondiff=(1, 2),
     local=_scatter_add_local, template=2)
 
 # ---------------------------------------------------------------- random factories
@@ -514,17 +517,24 @@ scatter_add = defop(
 # carries no data, so eager callers pass a broadcast view. On a block, the draws are those of
 # the block's global indices: every layout holds the numbers one process draws.
 
+def _draw_lower(normal: bool):
+    """A draw at the element's flat index (the global offsets of a block's elements when the
+    kernel is given them), rounded to the dtype."""
+    return lambda like, key, dtype, offset=K.row * K.cols + K.col: K.cast(
+        K.rand(offset, key, normal), dtype)
+
+
 rand = defop(
     "rand", impl=lambda like, key, dtype: _random.uniform(key, _flat_offsets(like.shape), dtype),
     abstract=lambda like, key, dtype: Aval(tuple(like.shape), np.dtype(dtype)),
-    shard="factory", lower="rand", nondiff=(0,),
+    shard="factory", nondiff=(0,), lower=_draw_lower(False),
     local=lambda like, key, dtype, *, in_blocks, out_block: _random.uniform(
         key, out_block.flat_offsets(), dtype))
 
 randn = defop(
     "randn", impl=lambda like, key, dtype: _random.normal(key, _flat_offsets(like.shape), dtype),
     abstract=lambda like, key, dtype: Aval(tuple(like.shape), np.dtype(dtype)),
-    shard="factory", lower="randn", nondiff=(0,),
+    shard="factory", nondiff=(0,), lower=_draw_lower(True),
     local=lambda like, key, dtype, *, in_blocks, out_block: _random.normal(
         key, out_block.flat_offsets(), dtype))
 

@@ -1,0 +1,178 @@
+"""The kernel layer: one backend-neutral description of every generated kernel, which the
+numpy, C and Triton backends render.
+
+A kernel runs over R rows of C columns: a fused pointwise group's output split at its last dim,
+a row group's rows, or a row-wise op's. Its math is the expression its ops' ``lower`` rules
+build (dtensor/ops/expr.py). What the description settles for every renderer:
+
+- each input's layout: the terms of its row offset (``(r // inner) % n * stride``) and its
+  column stride, 0 for a value per row (a (..., 1) column, a cross-entropy target);
+- each expression node's kind: row-valued (one value per row: reductions, per-row inputs,
+  constants and what is computed only from them) or column-valued, and its level (how many
+  row reductions must be complete before it can be computed). A renderer that streams a row
+  (C) makes one pass per level; one that holds whole rows in a tile (Triton, numpy blocks)
+  computes in program order;
+- which inputs are read (a draw's template is not), and the call: contiguous arrays in, the
+  output allocated or the memory plan's buffer, the op's own input check (``check``) first.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from dtensor.graph import Node
+from dtensor.ops import expr as X
+from dtensor.ops.registry import OPS
+
+
+class Layout(NamedTuple):
+    dtype: np.dtype
+    terms: tuple  # ((inner, n, stride), ...): the row offset of row r is their sum
+    col_stride: int  # 0: one value per row
+
+
+def _layout(shape, dtype, lead: tuple, C: int) -> Layout:
+    """Where row r, column c of an input broadcast to (lead, C) is, in elements."""
+    dtype = np.dtype(dtype)
+    strides = np.cumprod((1,) + tuple(reversed(shape[1:])))[::-1] if shape else ()
+    tiny = np.lib.stride_tricks.as_strided(np.empty(1, dtype), tuple(shape),
+                                           [int(s) * dtype.itemsize for s in strides])
+    st = [s // dtype.itemsize for s in np.broadcast_to(tiny, lead + (C,)).strides]
+    terms, inner = [], 1
+    for d in reversed(range(len(lead))):
+        if st[d]:
+            terms.append((inner, lead[d], st[d]))
+        inner *= lead[d]
+    return Layout(dtype, tuple(terms), st[-1])
+
+
+def members(n: Node):
+    """(ops, array inputs, their call positions, row shape) of a node a kernel can run, else
+    None. ops: (name, op, refs, params) with refs ("in", k) / ("op", j) / ("const", v)."""
+    arrays = [(k, a) for k, a in enumerate(n.inputs) if isinstance(a, (Node, np.ndarray))]
+    if n.name in ("fused", "fused_rows"):
+        lead, C = n.params["row_shape"]
+        return n.params["ops"], [a for _, a in arrays], [k for k, _ in arrays], (tuple(lead), C)
+    op = OPS.get(n.name)
+    if (n.kind != "op" or op is None or not callable(op.lower) or not n.shape
+            or op.shard == "reduce" or (n.variant != "impl" and op.shard != "factory")):
+        return None
+    refs = [("in", next(j for j, (_, b) in enumerate(arrays) if b is a))
+            if isinstance(a, (Node, np.ndarray)) else ("const", a) for a in n.inputs]
+    params = {k: v for k, v in n.params.items() if k != "key"}
+    if op.shard == "factory":  # a draw: its key comes at run time; a block's draws sit at
+        params["key"] = "key"  # their global offsets, an input of the kernel
+        if n.variant != "impl":
+            offsets = n.blocks[-1].flat_offsets()
+            refs.append(("in", len(arrays)))
+            arrays.append((None, offsets))
+            params["offset"] = None
+    if op.shard == "rowwise":
+        x = max((a for _, a in arrays), key=lambda a: len(a.shape))
+        shape = tuple(x.shape)
+    else:
+        shape = tuple(n.shape)
+    ops = [(n.name, op, refs, params)]
+    return (ops, [a for _, a in arrays], [k for k, _ in arrays if k is not None],
+            (shape[:-1], shape[-1]))
+
+
+def expression(ops, per_row=()) -> X.E:
+    """The group's result as one expression over inputs ``in k``."""
+    vals = []
+    for j, (name, op, refs, params) in enumerate(ops):
+        args = [X.E("in", (), r) if kind == "in" else vals[r] if kind == "op" else X.lift(r)
+                for kind, r in refs]
+        params = dict(params)
+        if op.shard == "factory":
+            params["key"] = params.get("key", f"key{j}")
+            if "offset" in params:
+                params["offset"] = args.pop()
+            vals.append(op.lower(None, **params))
+        else:
+            vals.append(op.lower(*args, **params))
+    return vals[-1]
+
+
+class Kernel:
+    """One kernel, described for a renderer: subclasses render ``self`` (in ``__init__``) and
+    launch it (``launch(arrays, out, keys)``)."""
+
+    accepts_out = True
+
+    def __init__(self, node: Node, found):
+        ops, inputs, positions, (lead, C) = found
+        self.shape, self.dtype = tuple(node.shape), np.dtype(node.dtype)
+        self.lead, self.C, self.R = lead, C, math.prod(lead)
+        self.L = lead[-1] if lead else 1
+        self.label = f"{node.name} " + " ".join(name for name, *_ in ops)
+        op = ops[0][1] if len(ops) == 1 else None
+        self.check = op.meta.get("check") if op is not None else None
+        per_row = op.meta.get("per_row", ()) if op is not None else ()
+        root = expression(ops)
+        self.causal = root.prim == "causal"
+        self.root = root.args[0] if self.causal else root
+        self.nodes = X.topo([self.root])
+        used = sorted({e.attr for e in self.nodes if e.prim == "in"})
+        self.positions = [positions[k] if k < len(positions) else inputs[k] for k in used]
+        renumber = {k: i for i, k in enumerate(used)}
+        for e in self.nodes:
+            if e.prim == "in":
+                e.attr = renumber[e.attr]
+        self.in_shapes = [tuple(inputs[k].shape) + ((1,) if k in per_row else ())
+                          for k in used]  # a per-row input (a target) as a column
+        self.inputs = [_layout(s, inputs[k].dtype, lead, C)
+                       for s, k in zip(self.in_shapes, used)]
+        self.keys = sorted({e.attr for e in self.nodes if e.prim in ("rand", "randn")})
+        self.out_cols = 1 if math.prod(self.shape) == self.R and C != 1 else C
+        self.index = {id(e): i for i, e in enumerate(self.nodes)}
+        self.row_valued, self.level = {}, {}
+        for e in self.nodes:
+            args = [id(a) for a in e.args]
+            if e.prim in X.REDUCTIONS:
+                rv, lv = True, self.level[args[0]] + 1
+            elif e.prim == "in":
+                rv, lv = self.inputs[e.attr].col_stride == 0 and C != 1, 0
+            else:
+                rv = e.prim != "col" and all(self.row_valued[a] for a in args)
+                lv = max((self.level[a] for a in args), default=0)
+            self.row_valued[id(e)], self.level[id(e)] = rv, lv
+        self.levels = self.level[id(self.root)] + (0 if self.row_valued[id(self.root)] else 1)
+
+    def literal(self, v):
+        """A constant's value for this kernel (a {itemsize: value} table resolved)."""
+        return v[self.dtype.itemsize] if isinstance(v, dict) else v
+
+    def needed(self, targets) -> list:
+        """Column-valued nodes that ``targets`` read (through column-valued nodes), in order."""
+        want, stack = set(), [t for t in targets if not self.row_valued[id(t)]]
+        while stack:
+            e = stack.pop()
+            if id(e) not in want:
+                want.add(id(e))
+                stack.extend(a for a in e.args if not self.row_valued[id(a)])
+        return [e for e in self.nodes if id(e) in want]
+
+    def __call__(self, *inputs, out=None, **keys):
+        if self.check is not None:
+            self.check(*inputs)
+        arrays = [np.ascontiguousarray(inputs[p] if isinstance(p, int) else p)
+                  for p in self.positions]
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        if self.R and self.C:
+            self.launch(arrays, out, {k: int(keys[k]) & ((1 << 64) - 1) for k in self.keys})
+        return out
+
+
+def lower_graph(graph, make) -> list:
+    """Give every node a kernel can run the kernel ``make(node, members)`` returns (None: it
+    stays a numpy call); returns [(node, kernel)]."""
+    found = []
+    for n in graph.nodes:
+        m = members(n)
+        kernel = make(n, m) if m is not None else None
+        if kernel is not None:
+            found.append((n, kernel))
+    return found

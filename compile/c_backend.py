@@ -110,8 +110,8 @@ static inline float dt_randn(uint64_t key, int64_t off) {  /* Box-Muller, as ran
 }
 """
 
-# index_add and the AdamW group for one floating type: T is the type, _S the name suffix, SQRT
-# its square root.
+# index_add and the AdamW group for one floating type: T is the type, _S the name suffix; the
+# update's arithmetic is the adamw_step op's expression, rendered into ADAMW_BODY.
 _TYPED = r"""
 /* index_add (an embedding's gradient): row i of g (n rows of C) added into row idx[i] - off
    of zeros (rows, C) when that row lies in [0, rows) (a vocab-parallel shard holds rows
@@ -133,20 +133,14 @@ void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off,
 /* p, m, v may be po, mo, vo themselves (an update in place): no restrict on those. */
 static inline void dt_adamw_rows_S(const T *p, const T *restrict g, const T *m, const T *v,
                                     T *po, T *mo, T *vo, int64_t n, const T *k) {
-    T b1 = k[0], c1 = k[1], b2 = k[2], c2 = k[3], eps = k[4], step = k[5], decay = k[6];
     for (int64_t i = 0; i < n; i++) {
-        T mi = m[i] * b1 + g[i] * c1;
-        T vi = v[i] * b2 + (g[i] * g[i]) * c2;
-        T den = SQRT(vi) + eps;
-        mo[i] = mi;
-        vo[i] = vi;
-        po[i] = p[i] * decay - (mi / den) * step;
+ADAMW_BODY
     }
 }
 
 /* The AdamW update of parameters q0..q1 (addresses in tab: p, g, m, v of each in turn) into
-   the rows of out (3, total); hp: 7 hyperparameters a parameter, numpy_backend's order. The
-   constants are rounded to T first, as numpy rounds a Python float against a T array.
+   the rows of out (3, total); hp: the 7 constants of each parameter's update (adamw_constants),
+   rounded to T first, as numpy rounds a Python float against a T array.
    The three results go out with non-temporal stores where the rows line up on 32 bytes: they
    are not read again this step, and a plain store first reads each line of out from memory
    (measured, the standard workload's 5.28M float parameters on one thread: 15-18 -> 12-13
@@ -156,11 +150,8 @@ void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offs
     for (int64_t q = q0; q < q1; q++) {
         const T *p = (const T *)tab[4 * q], *g = (const T *)tab[4 * q + 1];
         const T *m = (const T *)tab[4 * q + 2], *v = (const T *)tab[4 * q + 3];
-        const double *h = hp + 7 * q;  /* lr, beta1, beta2, eps, weight_decay, bc1, bc2 */
-        /* numpy's _adamw_block: the bias corrections folded into eps and the step size */
-        const T k[7] = {(T)h[1], (T)(1.0 - h[1]), (T)h[2], (T)(1.0 - h[2]),
-                        (T)(h[3] * (sqrt)(h[6])), (T)(h[0] * (sqrt)(h[6]) / h[5]),
-                        (T)(1.0 - h[0] * h[4])};
+        const double *h = hp + 7 * q;
+        const T k[7] = {(T)h[0], (T)h[1], (T)h[2], (T)h[3], (T)h[4], (T)h[5], (T)h[6]};
         T *po = out + offsets[q], *mo = po + total, *vo = po + 2 * total;
         int64_t i = 0, n = sizes[q];
 #ifdef __AVX__
@@ -188,11 +179,14 @@ void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offs
 
 
 def _typed(ctype: str) -> str:
+    leaves = ["p[i]", "g[i]", "m[i]", "v[i]"] + [f"k[{j}]" for j in range(7)]
+    lines, (po, mo, vo) = kernels.adamw_body(
+        lambda e, args: leaves[e.attr] if e.prim == "in" else _spell(e, args, ctype))
+    body = [f"        {ctype} {name} = {expr};" for name, expr in lines]
+    body += [f"        mo[i] = {mo};", f"        vo[i] = {vo};", f"        po[i] = {po};"]
     text = re.sub(r"\bT\b", ctype, _TYPED).replace("_S(", f"_{_SUFFIX[ctype]}(")
-    return text.replace("SQRT(", "sqrtf(" if ctype == "float" else "sqrt(")
+    return text.replace("ADAMW_BODY", "\n".join(body))
 
-
-PRELUDE = _COMMON + _typed("float") + _typed("double")
 
 class CompilerNotFound(RuntimeError):
     """backend='c' found no C compiler to run (none on PATH, or $CC does not run)."""
@@ -427,6 +421,13 @@ _SPELL = {"add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0
 _COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
+def _spell(e, args, ctype: str) -> str:
+    if e.prim == "const":
+        return _c_literal(e.attr, ctype == "float")
+    fmt = {"f": "f" if ctype == "float" else "", "s": _SUFFIX[ctype], "T": ctype}
+    return "(" + _SPELL[e.prim].format(*args, a=e.attr, **fmt) + ")"
+
+
 def _supported(k: kernels.Kernel) -> bool:
     """Kernels of one float type in which a boolean (an input or a comparison's result) is only
     a where() condition or not()'s argument and an integer input only a comparison's argument:
@@ -457,7 +458,6 @@ class _Kernel(kernels.Kernel):
         super().__init__(node, found)
         self.name = name
         T = _CTYPE[self.dtype]
-        self.fmt = {"f": "f" if T == "float" else "", "s": _SUFFIX[T], "T": T}
         self.names: dict = {}
         single = T == "float"
         for e in self.nodes:  # leaves every pass reads by the same name
@@ -508,7 +508,7 @@ class _Kernel(kernels.Kernel):
         if e.prim == "in":
             return f"p{e.attr}[0]" if self.row_valued[id(e)] else (
                 f"p{e.attr}[cc * {self.inputs[e.attr].col_stride}]")
-        return "(" + _SPELL[e.prim].format(*args, a=e.attr, **self.fmt) + ")"
+        return _spell(e, args, _CTYPE[self.dtype])
 
     def _name(self, e) -> str:
         return self.names.get(id(e)) or f"t{self.index[id(e)]}"
@@ -532,7 +532,8 @@ class _Kernel(kernels.Kernel):
                 return f"{acc} = {acc} + {v};"
             return f"{acc} = {v} > {acc} ? {v} : {acc};"
         out += ["        int64_t c = 0;", "        for (; c + 8 <= n; c += 8)",
-                "            for (int l = 0; l < 8; l++) {", "                const int64_t cc = c + l;"]
+                "            for (int l = 0; l < 8; l++) {",
+                "                const int64_t cc = c + l;"]
         out += self._body(args, "                ")
         out += [f"                {update(e, f'a{self.index[id(e)]}[l]')}" for e in reductions]
         out.append("            }")
@@ -660,3 +661,6 @@ def lower_graph(graph: Graph) -> list:
         kernel.lib = lib  # keeps the library loaded as long as the kernel lives
         n.fn, n.params, n.kind = kernel, params, "c"
     return [(n, k) for n, k, _ in found]
+
+
+PRELUDE = _COMMON + _typed("float") + _typed("double")  # (its spellings are defined above)

@@ -57,7 +57,8 @@ def members(n: Node):
         return n.params["ops"], [a for _, a in arrays], [k for k, _ in arrays], (tuple(lead), C)
     op = OPS.get(n.name)
     if (n.kind != "op" or op is None or not callable(op.lower) or not n.shape
-            or op.shard == "reduce" or (n.variant != "impl" and op.shard != "factory")):
+            or op.shard in ("reduce", "pointwise_stacked")
+            or (n.variant != "impl" and op.shard != "factory")):
         return None
     refs = [("in", next(j for j, (_, b) in enumerate(arrays) if b is a))
             if isinstance(a, (Node, np.ndarray)) else ("const", a) for a in n.inputs]
@@ -176,3 +177,25 @@ def lower_graph(graph, make) -> list:
         if kernel is not None:
             found.append((n, kernel))
     return found
+
+
+def straight_line(roots, spell) -> tuple[list, list]:
+    """Assignments ``(name, text)`` computing ``roots`` in order, and the roots' names: a
+    leaf (input, constant) is spelled in place, every other node once, as ``t<i>``;
+    ``spell(node, argument names)`` is the renderer's text for one node."""
+    names, lines = {}, []
+    for i, e in enumerate(X.topo(roots)):
+        text = spell(e, [names[id(a)] for a in e.args])
+        if e.prim in ("in", "const"):
+            names[id(e)] = text
+        else:
+            names[id(e)] = f"t{i}"
+            lines.append((f"t{i}", text))
+    return lines, [names[id(r)] for r in roots]
+
+
+def adamw_body(spell) -> tuple[list, list]:
+    """The AdamW update of one element as straight-line code: inputs 0-3 are p, g, m, v, 4-10
+    the update's seven constants; returns (assignments, names of the new p, m, v)."""
+    leaves = [X.E("in", (), k) for k in range(11)]
+    return straight_line(OPS["adamw_step"].lower(*leaves), spell)

@@ -146,15 +146,16 @@ def update_target(arrays, sizes, in_place: bool) -> np.ndarray:
                 return base
     return np.empty((3, total), dtype)
 
-# adamw_step's params, in the order of the generated group kernels' hyperparameter table.
-ADAMW_HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")
-
-
 def adamw_table(hp: dict, count: int, dtype) -> np.ndarray:
-    """(count, 7) hyperparameters of an adamw_group's parameters, ADAMW_HYPERPARAMETERS order:
-    a shared one as given, a per-parameter one (named in ``each``) from ``name_j``."""
-    return np.array([[hp[k] if k in hp else hp[f"{k}_{j}"] for k in ADAMW_HYPERPARAMETERS]
-                     for j in range(count)], dtype)
+    """(count, 7) constants (dtensor.ops.nn.adamw_constants) of an adamw_group's parameters,
+    from hyperparameters shared (as given) or per parameter (named in ``each``: ``name_j``)."""
+    from dtensor.ops.nn import adamw_constants
+    return np.array([adamw_constants(**{k: hp[k] if k in hp else hp[f"{k}_{j}"]
+                                        for k in ADAMW_HYPERPARAMETERS})
+                     for j in range(count)], np.float64).astype(dtype)
+
+
+ADAMW_HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")
 
 
 _UFUNCS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,

@@ -44,6 +44,23 @@ def tanh(x):  # (1 - e) / (1 + e), e = exp(-2|x|); below 0.3, where 1 - e cancel
     s = (s * a2 + 1.0) * a
     r = tl.where(a < 0.3, s, big)
     return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def pow(x, y):  # numpy's power: an integer exponent below 32 by squaring (exact signs, no
+    # exp-log error growing with |y log x|); otherwise exp(y log |x|), NaN for a negative base
+    whole = tl.floor(y) == y
+    n = tl.abs(y)
+    acc = x * 0.0 + 1.0
+    b = x
+    for _ in tl.static_range(5):
+        half = tl.floor(n * 0.5)
+        acc = tl.where(n - 2.0 * half == 1.0, acc * b, acc)
+        b = b * b
+        n = half
+    acc = tl.where(y < 0, 1.0 / acc, acc)
+    r = tl.where(x < 0, float("nan"), tl.exp(y * tl.log(tl.abs(x))))
+    return tl.where(whole & (tl.abs(y) < 32.0), acc, r)
 '''
 
 def ensure_triton():
@@ -95,7 +112,7 @@ _SPELL = {"add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})",
           "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
           "abs": "tl.abs({0})", "exp": "tl.exp({0})", "log": "tl.log({0})",
           "sqrt": "tl.sqrt({0})", "tanh": "tanh({0})", "sin": "tl.sin({0})",
-          "cos": "tl.cos({0})", "pow": "tl.exp({1} * tl.log({0}))", "cast": "({0}).to({T})",
+          "cos": "tl.cos({0})", "pow": "pow({0}, {1})", "cast": "({0}).to({T})",
           "rand": "tl.rand({a}, {0})", "randn": "tl.randn({a}, {0})",
           "rowsum": "tl.sum(tl.where(mask, {0}, 0.0), axis=1)[:, None]",
           "rowmax": "tl.max(tl.where(mask, {0}, -float('inf')), axis=1)[:, None]",
@@ -204,36 +221,29 @@ class _IndexAdd:
 
 # One launch for the AdamW update of every parameter (as PyTorch's fused AdamW and apex's
 # multi_tensor_apply): each program takes a chunk of one parameter, found through tables of the
-# parameters' addresses, sizes, offsets in the (3, total) result and hyperparameters.
-ADAMW_GROUP = '''
-@triton.jit
-def kernel(p_tab, g_tab, m_tab, v_tab, size_tab, offset_tab, hp_tab, chunk_tensor, chunk_start,
-           out_ptr, TOTAL, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_tensor + pid)
-    offs = tl.load(chunk_start + pid) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(size_tab + t)
-    p_ptr = tl.load(p_tab + t).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(g_tab + t).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(m_tab + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(v_tab + t).to(tl.pointer_type(tl.float32))
-    lr = tl.load(hp_tab + 7 * t)
-    beta1 = tl.load(hp_tab + 7 * t + 1)
-    beta2 = tl.load(hp_tab + 7 * t + 2)
-    eps = tl.load(hp_tab + 7 * t + 3)
-    weight_decay = tl.load(hp_tab + 7 * t + 4)
-    bc1 = tl.load(hp_tab + 7 * t + 5)
-    bc2 = tl.load(hp_tab + 7 * t + 6)
-    p = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask)
-    m = beta1 * tl.load(m_ptr + offs, mask=mask) + (1.0 - beta1) * g
-    v = beta2 * tl.load(v_ptr + offs, mask=mask) + (1.0 - beta2) * g * g
-    step = (m / bc1) / (tl.sqrt(v / bc2) + eps)
-    o = tl.load(offset_tab + t) + offs
-    tl.store(out_ptr + o, p * (1.0 - lr * weight_decay) - lr * step, mask=mask)
-    tl.store(out_ptr + TOTAL + o, m, mask=mask)
-    tl.store(out_ptr + 2 * TOTAL + o, v, mask=mask)
-'''
+# parameters' addresses, sizes, offsets in the (3, total) result and update constants; the
+# arithmetic is the adamw_step op's expression.
+def _adamw_group_source() -> str:
+    leaves = ["p", "g", "m", "v"] + [f"k{j}" for j in range(7)]
+    lines, (po, mo, vo) = kernels.adamw_body(
+        lambda e, args: leaves[e.attr] if e.prim == "in" else _literal(e.attr)
+        if e.prim == "const" else _SPELL[e.prim].format(*args))
+    return "\n".join([
+        "@triton.jit",
+        "def kernel(p_tab, g_tab, m_tab, v_tab, size_tab, offset_tab, k_tab, chunk_tensor,",
+        "           chunk_start, out_ptr, TOTAL, BLOCK: tl.constexpr):",
+        "    pid = tl.program_id(0)",
+        "    t = tl.load(chunk_tensor + pid)",
+        "    offs = tl.load(chunk_start + pid) + tl.arange(0, BLOCK)",
+        "    mask = offs < tl.load(size_tab + t)",
+        *[f"    {x} = tl.load(tl.load({x}_tab + t).to(tl.pointer_type(tl.float32)) + offs, "
+          "mask=mask)" for x in "pgmv"],
+        *[f"    k{j} = tl.load(k_tab + 7 * t + {j})" for j in range(7)],
+        *[f"    {name} = {text}" for name, text in lines],
+        "    o = tl.load(offset_tab + t) + offs",
+        f"    tl.store(out_ptr + o, {po}, mask=mask)",
+        f"    tl.store(out_ptr + TOTAL + o, {mo}, mask=mask)",
+        f"    tl.store(out_ptr + 2 * TOTAL + o, {vo}, mask=mask)", ""])
 
 
 class _AdamWGroup:
@@ -250,7 +260,7 @@ class _AdamWGroup:
         self.chunk_start = np.array([s for _, s in chunks], np.int64)
         self.size_tab = np.array(self.sizes, np.int64)
         self.offset_tab = np.cumsum((0,) + self.sizes[:-1]).astype(np.int64)
-        self.source = PRELUDE + ADAMW_GROUP
+        self.source = PRELUDE + _adamw_group_source()
         self.mod, self.path = _load(self.source)
 
     def __call__(self, *arrays, each=(), out=None, in_place=False, **hp):

@@ -183,8 +183,10 @@ class Tracer:
 
     # -- hooks the eager code calls while tracing
     def eager(self, op, arrays, params):
-        """An eager op on arrays: recorded if any input is traced, else run now."""
-        if not _contains_traced(arrays):
+        """An eager op on arrays: recorded if any input is traced or a param is only known at
+        run time (a draw's key), else run now."""
+        if not _contains_traced(arrays) and not any(isinstance(v, Slot)
+                                                    for v in params.values()):
             return op.impl(*arrays, **params)
         from dtensor.ops.registry import Aval
         avals = [Aval(a.shape, a.dtype) if isinstance(a, (Traced, np.ndarray)) else a

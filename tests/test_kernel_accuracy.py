@@ -86,6 +86,12 @@ CASES = {
     "erf": ("erf", {}, _erf, lambda: [_X], 4),
     "pow": ("pow", {}, np.power, lambda: [_rng().permutation(_POS),
                                            _rng().uniform(-3, 3, _X.size).astype(np.float32)], 4),
+    # a negative base takes an integer exponent's sign (x ** 2 in a loss, x ** 3); the
+    # exponent stays an integer in the reference (no derivative in it off the integers)
+    "pow_even": ("pow", {}, lambda x, y: np.power(x, np.round(y)),
+                 lambda: [_X, np.full_like(_X, 2.0)], 4),
+    "pow_odd": ("pow", {}, lambda x, y: np.power(x, np.round(y)),
+                lambda: [_X, np.full_like(_X, 3.0)], 4),
     "sigmoid": ("sigmoid", {}, lambda x: 1 / (1 + np.exp(-x)), lambda: [_X], 8),
     "gelu": ("gelu", {"approximate": "none"}, lambda x: 0.5 * x * _erfc(-x / math.sqrt(2)),
              lambda: [_X], 8),
@@ -110,11 +116,14 @@ def test_every_kernel_op_has_a_case():
 
 
 def test_every_lower_is_an_expression_a_kernel_reads():
-    """``lower`` is an expression builder or nothing, and only on the op kinds compile/kernels.py
-    turns into kernels (no tag that no backend reads)."""
+    """``lower`` is an expression builder or nothing, and only on the op kinds the kernels read
+    (compile/kernels.py; the AdamW group's kernels render adamw_step's): no tag that no
+    backend reads."""
     lowered = {name: op.shard for name, op in OPS.items() if op.lower is not None}
     assert all(callable(OPS[name].lower) for name in lowered)
-    assert set(lowered.values()) == {"pointwise", "rowwise", "reduce", "factory"}
+    assert set(lowered.values()) == {"pointwise", "rowwise", "reduce", "factory",
+                                     "pointwise_stacked"}
+    assert [n for n, shard in lowered.items() if shard == "pointwise_stacked"] == ["adamw_step"]
 
 
 def _bound(ref, args, k):

@@ -201,7 +201,7 @@ def fuse_adamw(graph: Graph) -> Graph:
                     stack.append(u)
         readers = [u for m in members for u in users.get(m.id, ()) if u.id not in views]
         readers += [u for v in views for u in users.get(v, ()) if u.id not in views]
-        if len(members) < 2 or any(index[u.id] <= last for u in readers):
+        if any(index[u.id] <= last for u in readers):
             continue
         moved |= views
         sizes = [int(np.prod(m.shape[1:])) for m in members]

@@ -559,23 +559,38 @@ softmax_cross_entropy_backward = defop(
 # ---------------------------------------------------------------- AdamW update
 
 
-def _adamw_block(out, p, g, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2):
+def adamw_constants(lr, beta1, beta2, eps, weight_decay, bc1, bc2) -> tuple:
+    """The update's seven constants, in double: lr/bc1 m / (sqrt(v / bc2) + eps) is
+    (lr sqrt(bc2) / bc1) m / (sqrt(v) + eps sqrt(bc2)), the bias corrections moved onto the
+    scalars (one pass fewer). Every backend rounds them to the parameter's type."""
+    rs = math.sqrt(bc2)
+    return (beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps * rs, lr * rs / bc1,
+            1.0 - lr * weight_decay)
+
+
+def _adamw_lower(p, g, m, v, *k):
+    """(new p, m, v) from the seven constants (adamw_constants): the expression the kernels of
+    the AdamW group render."""
+    mo = m * k[0] + g * k[1]
+    vo = v * k[2] + (g * g) * k[3]
+    return p * k[6] - (mo / (K.sqrt(vo) + k[4])) * k[5], mo, vo
+
+
+def _adamw_block(out, p, g, m, v, **hp):
+    b1, c1, b2, c2, eps, step, decay = adamw_constants(**hp)
     po, mo, vo = out
-    np.multiply(m, beta1, out=mo)
-    tmp = g * (1.0 - beta1)
+    np.multiply(m, b1, out=mo)
+    tmp = g * c1
     mo += tmp
     np.multiply(g, g, out=tmp)
-    tmp *= 1.0 - beta2
-    np.multiply(v, beta2, out=vo)
+    tmp *= c2
+    np.multiply(v, b2, out=vo)
     vo += tmp
-    # lr/bc1 m / (sqrt(v / bc2) + eps) = (lr sqrt(bc2) / bc1) m / (sqrt(v) + eps sqrt(bc2)):
-    # the bias correction moved onto the scalars, one pass fewer.
-    rs = math.sqrt(bc2)
     np.sqrt(vo, out=tmp)
-    tmp += eps * rs
+    tmp += eps
     np.divide(mo, tmp, out=tmp)
-    tmp *= lr * rs / bc1
-    np.multiply(p, 1.0 - lr * weight_decay, out=po)
+    tmp *= step
+    np.multiply(p, decay, out=po)
     po -= tmp
 
 
@@ -599,4 +614,4 @@ adamw_step = defop(
     "adamw_step", impl=lambda p, g, m, v, **hp: adamw_update(p, g, m, v, **hp).reshape(
         (3,) + p.shape),
     abstract=lambda p, g, m, v, **hp: Aval((3,) + tuple(p.shape), p.dtype),
-    shard="pointwise_stacked")
+    shard="pointwise_stacked", lower=_adamw_lower)  # as the AdamW group's kernels run it

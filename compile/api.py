@@ -207,8 +207,10 @@ def _unflatten(tree, values):
 class _Entry:
     """One compiled graph: its generated code and how to feed and unpack it."""
 
-    def __init__(self, graph, run, path, tables, feeds, writebacks, tree, compile_s, key, reads):
+    def __init__(self, graph, run, path, tables, feeds, writebacks, tree, compile_s, key, reads,
+                 kernels):
         self.graph, self.run_fn, self.path, self.tables = graph, run, path, tables
+        self.kernels = kernels  # node id -> the backend's kernel
         self.feeds, self.writebacks, self.tree = feeds, writebacks, tree
         self.compile_s = compile_s
         self.key, self.reads = key, reads  # reads: guards.explain's leaves, for messages
@@ -440,27 +442,28 @@ class Compiled:
         debug = _debug_level() >= 2 and _rank0()
         if debug:
             print(f"[dtensor.compile] {self.__name__}: traced\n{graph}", flush=True)
+        kernels = {}
         for name, p in PASSES:
             if name == "plan_memory" and self.backend != "numpy":
                 lower = importlib.import_module(f"dtensor.compile.{self.backend}_backend")
-                kernels = lower.lower_graph(graph)
-                if _debug_level() >= 3 and _rank0():
-                    for node, k in kernels:
+                for node, k in lower.lower_graph(graph):
+                    kernels[node.id] = k
+                    if _debug_level() >= 3 and _rank0():
                         print(f"[dtensor.compile] {self.backend} kernel for %{node.id} "
-                              f"{node.name} {node.note}\n{k.source}", flush=True)
+                              f"{node.name}\n{k.source}", flush=True)
             # A row-wise op joins row groups only where they become generated kernels; the
             # numpy backend runs eager's own row kernels (BLAS row sums), bit for bit.
             graph = (p(graph, row_ops=self.backend != "numpy") if name == "fuse_pointwise"
                      else p(graph))
             if debug:
                 print(f"[dtensor.compile] after {name}\n{graph}", flush=True)
-        source, tables = numpy_backend.generate(graph, self.__name__)
+        source, tables = numpy_backend.generate(graph, self.__name__, kernels)
         run, path = numpy_backend.load(source)
         if _debug_level() >= 3 and _rank0():
             print(f"[dtensor.compile] generated {path}\n{source}", flush=True)
         self.compiles += 1
         return _Entry(graph, run, path, tables, feeds, writebacks, tree,
-                      time.perf_counter() - t0, key, reads)
+                      time.perf_counter() - t0, key, reads, kernels)
 
 
 def compile(fn=None, *, backend: str = "numpy"):

@@ -573,6 +573,9 @@ class _IndexAdd:
         self.source = ""
         self.argtypes = [_P] * 3 + [_I] * 6
 
+    def bind(self, params: dict) -> dict:
+        return {}
+
     def __call__(self, g, idx, like, out=None):
         from dtensor.ops.structural import check_rows
         flat = np.ascontiguousarray(check_rows(idx, self.total_rows), dtype=np.int64)
@@ -605,6 +608,9 @@ class _AdamWGroup:
         cuts = sorted(set(min(c, len(self.sizes)) for c in cuts + [len(self.sizes)]))
         self.ranges = list(zip(cuts[:-1], cuts[1:]))
 
+    def bind(self, params: dict) -> dict:
+        return {k: v for k, v in params.items() if k != "sizes"}
+
     def __call__(self, *arrays, each=(), out=None, in_place=False, **hp):
         from dtensor.compile.numpy_backend import adamw_table, update_target
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the call
@@ -617,50 +623,36 @@ class _AdamWGroup:
         return out
 
 
-def _index_add_for(n: Node):
-    """The whole index_add op, or its local kernel on this rank's rows of the result."""
-    if n.variant == "impl":
-        return _IndexAdd(n.shape, n.dtype, 0, n.shape[0]), {}
-    out = n.blocks[1]
-    return _IndexAdd(n.shape, n.dtype, out.rows(0)[0], out.shape[0]), {}
-
-
-
-
 def _kernel_for(n: Node, name: str):
-    """A C kernel for node ``n`` and the params it is then called with, or None."""
+    """A C kernel for node ``n``, or None."""
     arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
+    if n.dtype not in (np.float32, np.float64):
+        return None
     if n.name == "adamw_group":
-        if n.dtype in (np.float32, np.float64) and all(a.dtype == n.dtype for a in arrays):
-            return _AdamWGroup(n.params["sizes"], n.dtype), {
-                k: v for k, v in n.params.items() if k != "sizes"}
-        return None
-    if (n.name == "index_add" and n.dtype in (np.float32, np.float64)
-            and arrays[0].dtype == n.dtype and arrays[1].dtype.kind in "iu"):
-        return _index_add_for(n)
+        ok = all(a.dtype == n.dtype for a in arrays)
+        return _AdamWGroup(n.params["sizes"], n.dtype) if ok else None
+    if n.name == "index_add":
+        ok = arrays[0].dtype == n.dtype and arrays[1].dtype.kind in "iu"
+        return _IndexAdd(n.shape, n.dtype, *kernels.index_add_rows(n)) if ok else None
     found = kernels.members(n)
-    if found is None or n.dtype not in (np.float32, np.float64):
-        return None
-    kernel = _Kernel(n, found, name)
-    if not _supported(kernel):
-        return None
-    return kernel, {k: v for k, v in n.params.items() if k in kernel.keys}
+    kernel = _Kernel(n, found, name) if found is not None else None
+    return kernel if kernel is not None and _supported(kernel) else None
 
 
 def lower_graph(graph: Graph) -> list:
-    """Give every node a C kernel can run its kernel (``node.fn``, with the params it is called
-    with), all of the graph's kernels built as one library; returns [(node, kernel)]."""
-    found = [(n, *k) for n in graph.nodes if (k := _kernel_for(n, f"k{n.id}")) is not None]
+    """Kernels for the nodes a C kernel can run, all of the graph's built as one library; each
+    such node becomes kind "c". Returns [(node, kernel)]."""
+    found = [(n, k) for n in graph.nodes if (k := _kernel_for(n, f"k{n.id}")) is not None]
     if not found:
         return []
-    lib = build(PRELUDE + "\n" + "".join(k.source for _, k, _ in found))
-    for n, kernel, params in found:
+    lib = build(PRELUDE + "\n" + "".join(k.source for _, k in found))
+    for n, kernel in found:
         kernel.fn = getattr(lib, kernel.name)
         kernel.fn.argtypes = kernel.argtypes
         kernel.fn.restype = None
         kernel.lib = lib  # keeps the library loaded as long as the kernel lives
-        n.fn, n.params, n.kind = kernel, params, "c"
-    return [(n, k) for n, k, _ in found]
+        n.kind = "c"
+    return found
 
 
 PRELUDE = _COMMON + _typed("float") + _typed("double")  # (its spellings are defined above)

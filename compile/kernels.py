@@ -156,6 +156,10 @@ class Kernel:
                 stack.extend(a for a in e.args if not self.row_valued[id(a)])
         return [e for e in self.nodes if id(e) in want]
 
+    def bind(self, params: dict) -> dict:
+        """The node's params this kernel is called with: its draws' keys."""
+        return {k: v for k, v in params.items() if k in self.keys}
+
     def __call__(self, *inputs, out=None, **keys):
         if self.check is not None:
             self.check(*inputs)
@@ -167,16 +171,13 @@ class Kernel:
         return out
 
 
-def lower_graph(graph, make) -> list:
-    """Give every node a kernel can run the kernel ``make(node, members)`` returns (None: it
-    stays a numpy call); returns [(node, kernel)]."""
-    found = []
-    for n in graph.nodes:
-        m = members(n)
-        kernel = make(n, m) if m is not None else None
-        if kernel is not None:
-            found.append((n, kernel))
-    return found
+def index_add_rows(n: Node) -> tuple[int, int]:
+    """(first row, the op's total rows) of an index_add node's result: the whole op, or a
+    vocab-parallel rank's rows of it (its local kernel's output block)."""
+    if n.variant == "impl":
+        return 0, n.shape[0]
+    out = n.blocks[1]
+    return out.rows(0)[0], out.shape[0]
 
 
 def straight_line(roots, spell) -> tuple[list, list]:

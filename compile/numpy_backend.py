@@ -3,12 +3,14 @@ imported (so tracebacks show the generated line), one statement per node.
 
 The generated function takes the input arrays, the slot values of this call and returns the
 graph's outputs. Each node calls what eager would have called (the op's impl, its DTensor local
-kernel, or redistribute_local), with its params bound once at compile time, so there is no
-dispatch, sharding decision, autograd bookkeeping or cache lookup left at run time. A value is
+kernel, or a redistribute's step), with its params bound once at compile time, so there is no
+dispatch, sharding decision, autograd bookkeeping or cache lookup left at run time; what that
+is, ``runner`` reads from the node's fields (op, variant, collective, kernel). A value is
 dropped (``del``) right after its last use, so memory peaks where eager's would.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -16,17 +18,46 @@ import types
 
 import numpy as np
 
-from dtensor.compile import cache, kernels
+from dtensor.compile import cache
+from dtensor.compile import kernels as kernels_layer
 from dtensor.graph import KERNEL_KINDS, Graph, Node, Slot
 from dtensor.ops import blockwise
 
 __all__ = ["generate", "load"]
 
 
-def generate(graph: Graph, name: str) -> tuple[str, dict]:
+def runner(n: Node, kernels: dict):
+    """What runs node ``n``, read from its fields (the graph holds no callables): the backend
+    kernel made for it (``kernels``: node id -> kernel), the collective its step names, a
+    compiler op's function, or its op's impl or local kernel on its blocks."""
+    from dtensor.compile.passes import collectives, fusion
+    from dtensor.ops.registry import OPS
+    from dtensor.redistribute import Step, run_step
+    if n.id in kernels:
+        return kernels[n.id]
+    if n.kind == "comm":
+        mesh, dim = n.specs[1].mesh, n.params["mesh_dim"]
+        if n.name == "all_reduce_bucket":
+            return functools.partial(collectives.bucket_start, group=mesh.get_group(dim))
+        args = tuple((k, v) for k, v in n.params.items() if k not in ("mesh_dim", "donate"))
+        return functools.partial(run_step, step=Step(n.name, dim, args, n.specs[1].placements),
+                                 mesh=mesh, donate=n.params.get("donate", False))
+    if n.name in ("fused", "fused_rows"):
+        return GroupKernel(n, kernels_layer.members(n))
+    compiler_ops = {"adamw_group": adamw_group, "adamw_part": fusion.adamw_part,
+                    "bucket_part": collectives.bucket_part, "wait": collectives.bucket_wait}
+    if n.name in compiler_ops:
+        return compiler_ops[n.name]
+    op = OPS[n.name]
+    if n.variant == "impl":
+        return op.impl
+    return functools.partial(op.local, in_blocks=n.blocks[0], out_block=n.blocks[1])
+
+
+def generate(graph: Graph, name: str, kernels: dict) -> tuple[str, dict]:
     """Source of ``def run(I, S, F, K, B)`` and the tables it reads: F (callables), K (params
     and constants), B (the memory plan's buffers). I: input arrays in graph.inputs order; S:
-    this call's slot values."""
+    this call's slot values; ``kernels``: the backend's kernels by node id."""
     tables: dict = {"F": [], "K": []}
 
     def const(value) -> str:
@@ -50,13 +81,15 @@ def generate(graph: Graph, name: str) -> tuple[str, dict]:
     if graph.inputs:
         lines.append("    " + "".join(f"v{n.id}, " for n in graph.inputs) + "= I")
     for i, n in enumerate(graph.nodes):
-        if n.name in ("fused", "fused_rows") and n.fn is None:
-            tables["F"].append(GroupKernel(n, kernels.members(n)))
-            fixed = {}
+        tables["F"].append(runner(n, kernels))
+        if n.id in kernels:
+            params = kernels[n.id].bind(n.params)
+        elif n.name in ("fused", "fused_rows"):  # its params describe it; it takes its keys
+            params = {k: v for k, v in n.params.items() if isinstance(v, Slot)}
         else:
-            tables["F"].append(n.fn)
-            fixed = {k: v for k, v in n.params.items() if not isinstance(v, Slot)}
-        slots = {k: v for k, v in n.params.items() if isinstance(v, Slot)}
+            params = n.params
+        fixed = {k: v for k, v in params.items() if not isinstance(v, Slot)}
+        slots = {k: v for k, v in params.items() if isinstance(v, Slot)}
         args = [ref(a) for a in n.inputs]
         if fixed and n.kind in ("op", *KERNEL_KINDS):
             args.append(f"**{const(fixed)}")
@@ -166,7 +199,7 @@ _UFUNCS = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true
            "cos": np.cos}
 
 
-class GroupKernel(kernels.Kernel):
+class GroupKernel(kernels_layer.Kernel):
     """A fused group (pointwise ops, row reductions, draws over the same rows) rendered as
     numpy calls over cache-sized blocks of rows: each block goes through every op before the
     next is read, so intermediates stay in cache."""

@@ -205,6 +205,9 @@ class _IndexAdd:
         self.source = PRELUDE + INDEX_ADD
         self.mod, self.path = _load(self.source)
 
+    def bind(self, params: dict) -> dict:
+        return {}
+
     def __call__(self, g, idx, like, out=None):
         from dtensor.compile.triton_adapter import as_triton_arg
         from dtensor.ops.structural import check_rows
@@ -263,6 +266,9 @@ class _AdamWGroup:
         self.source = PRELUDE + _adamw_group_source()
         self.mod, self.path = _load(self.source)
 
+    def bind(self, params: dict) -> dict:
+        return {k: v for k, v in params.items() if k != "sizes"}
+
     def __call__(self, *arrays, each=(), out=None, in_place=False, **hp):
         from dtensor.compile.numpy_backend import adamw_table, update_target
         from dtensor.compile.triton_adapter import as_triton_arg
@@ -280,34 +286,23 @@ class _AdamWGroup:
 
 
 def _kernel_for(n: Node):
-    """A Triton kernel for node ``n`` and the params it is called with, or None (the node
-    stays a numpy call)."""
+    """A Triton kernel for node ``n``, or None (the node stays a numpy call)."""
     arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
     if n.name == "adamw_group":
-        if n.dtype == np.float32 and all(a.dtype == np.float32 for a in arrays):
-            return _AdamWGroup(n.params["sizes"]), {k: v for k, v in n.params.items()
-                                                     if k != "sizes"}
-        return None
-    if n.name == "index_add" and n.dtype.kind == "f" and arrays[1].dtype.kind in "iu":
-        if n.variant == "impl":
-            return _IndexAdd(n.shape, n.dtype, 0, n.shape[0]), {}
-        return _IndexAdd(n.shape, n.dtype, n.blocks[1].rows(0)[0], n.blocks[1].shape[0]), {}
+        ok = n.dtype == np.float32 and all(a.dtype == np.float32 for a in arrays)
+        return _AdamWGroup(n.params["sizes"]) if ok else None
+    if n.name == "index_add":
+        ok = n.dtype.kind == "f" and arrays[1].dtype.kind in "iu"
+        return _IndexAdd(n.shape, n.dtype, *kernels.index_add_rows(n)) if ok else None
     found = kernels.members(n)
-    if found is None:
-        return None
-    kernel = _Kernel(n, found)
-    return kernel, {k: v for k, v in n.params.items() if k in kernel.keys}
+    return _Kernel(n, found) if found is not None else None
 
 
 def lower_graph(graph: Graph) -> list:
-    """Give every node a Triton kernel can run its kernel (``node.fn``, with the params it is
-    called with); returns [(node, kernel)]."""
+    """Kernels for the nodes a Triton kernel can run; each such node becomes kind "triton".
+    Returns [(node, kernel)]."""
     ensure_triton()
-    found = []
-    for n in graph.nodes:
-        k = _kernel_for(n)
-        if k is not None:
-            n.fn, n.params = k
-            n.kind = "triton"
-            found.append((n, n.fn))
+    found = [(n, k) for n in graph.nodes if (k := _kernel_for(n)) is not None]
+    for n, _ in found:
+        n.kind = "triton"
     return found

@@ -12,7 +12,7 @@ corrections of this step), so replaying the graph draws exactly what eager would
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -44,8 +44,6 @@ class Node:
     params: dict = field(default_factory=dict)
     shape: tuple = ()
     dtype: Any = None
-    fn: Callable | None = None  # what runs: impl, local kernel, or collective
-    note: str = ""  # a pass's label, for printing
     buffer: int | None = None  # preallocated result buffer (compile/passes/memory.py)
     # "impl" (the op's impl), or "local" (its DTensor local kernel, on ``blocks``)
     variant: str = "impl"
@@ -84,11 +82,11 @@ class Graph:
     arena_bytes: int = 0  # the memory plan's arena, which holds every planned buffer
     _next: int = 0
 
-    def new(self, kind: str, name: str, inputs=(), params=None, shape=(), dtype=None, fn=None,
-            note: str = "", variant: str = "impl", blocks=None, specs=None) -> Node:
+    def new(self, kind: str, name: str, inputs=(), params=None, shape=(), dtype=None,
+            variant: str = "impl", blocks=None, specs=None) -> Node:
         node = Node(self._next, kind, name, list(inputs), dict(params or {}), tuple(shape),
-                    np.dtype(dtype) if dtype is not None else None, fn, note, None, variant,
-                    blocks, specs)
+                    np.dtype(dtype) if dtype is not None else None, None, variant, blocks,
+                    specs)
         self._next += 1
         (self.inputs if kind == "input" else self.nodes).append(node)
         return node
@@ -110,10 +108,10 @@ class Graph:
             params = " ".join(f"{k}={list(v) if isinstance(v, tuple) and n.kind == 'comm' else v!r}"
                               for k, v in n.params.items() if k != "ops")
             text = f"{n.name} {args}" + (f" {params}" if params else "")
+            if "ops" in n.params:  # a fused group: its ops, in order
+                text += " [" + " ".join(op[0] for op in n.params["ops"]) + "]"
             if n.specs is not None:
                 text += f" {placements_text(n.specs[0])} -> {placements_text([n.specs[1]])}"
-            if n.note:
-                text += f" {n.note}"
             if n.buffer is not None:
                 text += f" -> buf{n.buffer}"
             lines.append(f"{n!r:>5} = {text:60s} {n.shape} {n.dtype}")

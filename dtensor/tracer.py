@@ -12,7 +12,6 @@ runtime recomputes: random keys (``dtensor.random.next_key``) and optimizer scal
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import numpy as np
@@ -193,18 +192,18 @@ class Tracer:
                  for a in arrays]
         out = op.abstract(*avals, **params)
         return Traced(self.graph.new("op", op.name, [_unwrap(a) for a in arrays], params,
-                                     out.shape, out.dtype, fn=op.impl))
+                                     out.shape, out.dtype))
 
     def local(self, op, locals_, params, in_specs, out_spec, blocks):
         """A DTensor op on this rank's blocks: its impl, or with ``blocks`` (where the blocks
         sit) its local kernel."""
         from dtensor.dtensor import _local_block
-        run = op.impl if blocks is None else functools.partial(
-            op.local, in_blocks=blocks[0], out_block=blocks[1])
         if not _contains_traced(locals_):  # constants only: compute now
-            return run(*locals_, **params)
+            if blocks is None:
+                return op.impl(*locals_, **params)
+            return op.local(*locals_, in_blocks=blocks[0], out_block=blocks[1], **params)
         return Traced(self.graph.new("op", op.name, [_unwrap(a) for a in locals_], params,
-                                     _local_block(out_spec)[0], out_spec.dtype, fn=run,
+                                     _local_block(out_spec)[0], out_spec.dtype,
                                      variant="impl" if blocks is None else "local",
                                      blocks=blocks, specs=(tuple(in_specs), out_spec)))
 
@@ -212,14 +211,11 @@ class Tracer:
         """One redistribute of a block: a node per step of its plan, each collective by name
         (all_gather, all_reduce ...) with the layout it leaves."""
         from dtensor.dtensor import _local_block
-        from dtensor.redistribute import run_step
         node, before = _unwrap(local), spec
         for st in steps:
             out = replace(spec, placements=st.after)
             node = self.graph.new(
                 "comm", st.kind, [node], {"mesh_dim": st.mesh_dim, **dict(st.params)},
-                _local_block(out)[0], spec.dtype,
-                fn=functools.partial(run_step, step=st, mesh=spec.mesh),
-                specs=((before,), out))
+                _local_block(out)[0], spec.dtype, specs=((before,), out))
             before = out
         return Traced(node)

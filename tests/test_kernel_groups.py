@@ -10,12 +10,14 @@ result's scale (k = 16: up to ~8 roundings on a path, each within an ulp, the C 
 plus how far 16 roundings of the values the kernel reads move the result (measured in float64
 on nudged inputs): where a result is a difference of larger terms, a rounding anywhere before
 the difference is amplified, in eager and kernel alike.
+
 For pointwise results both are taken element by element. For row results they are taken over
 the row, twice the largest: a row's sums and cancellations put the error of intermediates
 larger than the result into every element (a softmax backward's g - sum(g y) is near 0 where
 both terms are near 2, and an ulp of the forward's y moves it by 4 ulp of 1), so the scale is
-the row's largest |value| among the forward result and the gradients through those rows. A kernel whose
-formula drifted (a 4% GELU at x = -5, a 0 for 7.7e-23 at -10) fails by orders of magnitude.
+the row's largest |value| among the forward result and the gradients through those rows. A
+kernel whose formula drifted (a 4% GELU at x = -5, a 0 for 7.7e-23 at -10) fails by orders of
+magnitude.
 """
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ GROUPS = {  # id: (function of tensors, inputs, differentiated inputs, row resul
                       lambda: [_x(12, 64), np.random.default_rng(3).integers(0, 64, 12)], (0,),
                       True),
     "embedding": (lambda w, i: (F.embedding(i, w) * 1.5,),
-                  lambda: [_x(20, 16, spread=1.0), np.random.default_rng(4).integers(0, 20, (6, 9))],
+                  lambda: [_x(20, 16, spread=1.0),
+                           np.random.default_rng(4).integers(0, 20, (6, 9))],
                   (0,), False),
 }
 

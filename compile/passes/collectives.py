@@ -2,12 +2,10 @@
 merge independent small gradient all-reduces into buckets."""
 from __future__ import annotations
 
-import operator
 
 import numpy as np
 
 from dtensor.graph import Graph, Node
-from dtensor.ops.registry import OPS
 
 BUCKET_BYTES = 25 << 20  # as PyTorch DDP's default bucket cap
 
@@ -63,7 +61,7 @@ def shard_broadcasts(graph: Graph) -> Graph:
             new[n.id] = base
         else:
             graph.nodes[i] = Node(n.id, "op", "broadcast_to", [base], {"shape": n.shape},
-                                  n.shape, n.dtype, fn=OPS["broadcast_to"].impl, note=n.note)
+                                  n.shape, n.dtype)
             new[n.id] = graph.nodes[i]
     if new:
         graph.nodes = [n for n in graph.nodes if new.get(n.id, n) is n]
@@ -73,23 +71,24 @@ def shard_broadcasts(graph: Graph) -> Graph:
     return graph
 
 
-def _bucket_fns(group, shapes):
-    """(start, wait): start flattens the gradients into one buffer and issues a non-blocking
-    all-reduce; wait completes it and returns the gradients as views of the result."""
-    sizes = [int(np.prod(s)) for s in shapes]
+def bucket_start(*arrays, group):
+    """Flatten a bucket's gradients into one buffer and issue its non-blocking all-reduce."""
+    return group.all_reduce(np.concatenate([np.ravel(a) for a in arrays]), async_op=True)
 
-    def start(*arrays):
-        return group.all_reduce(np.concatenate([np.ravel(a) for a in arrays]), async_op=True)
 
-    def wait(work):
-        flat = work.wait()
-        out, begin = [], 0
-        for n, s in zip(sizes, shapes):
-            out.append(flat[begin:begin + n].reshape(s))
-            begin += n
-        return tuple(out)
+def bucket_wait(work, shapes):
+    """Complete a bucket's all-reduce: its gradients, as views of the result."""
+    flat = work.wait()
+    out, begin = [], 0
+    for s in shapes:
+        n = int(np.prod(s))
+        out.append(flat[begin:begin + n].reshape(s))
+        begin += n
+    return tuple(out)
 
-    return start, wait
+
+def bucket_part(parts, index):
+    return parts[index]
 
 
 def bucket_all_reduces(graph: Graph) -> Graph:
@@ -128,18 +127,14 @@ def bucket_all_reduces(graph: Graph) -> Graph:
         if len(b) < 2:
             continue
         members = [n for _, n in b]
-        m = _all_reduce_dim(members[0])
-        start_fn, wait_fn = _bucket_fns(members[0].specs[1].mesh.get_group(m),
-                                        [n.shape for n in members])
         start = Node(graph._next, "comm", "all_reduce_bucket", [n.inputs[0] for n in members],
-                     {}, (), members[0].dtype, fn=start_fn,
-                     note=f"{len(members)} gradients over mesh dim {m}, non-blocking")
-        wait = Node(graph._next + 1, "op", "wait", [start], {}, (), members[0].dtype,
-                    fn=wait_fn)
+                     {"mesh_dim": _all_reduce_dim(members[0])}, (), members[0].dtype,
+                     specs=((), members[0].specs[1]))
+        wait = Node(graph._next + 1, "op", "wait", [start],
+                    {"shapes": tuple(n.shape for n in members)}, (), members[0].dtype)
         graph._next += 2
         for j, n in enumerate(members):  # each member now reads its part of the bucket
-            n.kind, n.name, n.inputs, n.params = "op", "bucket_part", [wait], {}
-            n.fn, n.note = operator.itemgetter(j), ""
+            n.kind, n.name, n.inputs, n.params = "op", "bucket_part", [wait], {"index": j}
         first = min([first_use.get(n.id, end) for n in members] + [end])
         drop.update(i for i, _ in b)
         at.setdefault(b[-1][0] + 1, []).append(start)

@@ -146,8 +146,7 @@ def fuse_pointwise(graph: Graph, row_ops: bool = False) -> Graph:
         # a key is a Slot: the runtime passes key<j>=...
         params = {"ops": ops, "row_shape": _row_shape([m.shape for m in group]), **keys}
         fused = Node(tail.id, "op", "fused_rows" if rows else "fused", externals, params,
-                     tail.shape, tail.dtype, fn=None,
-                     note="[" + " ".join(m.name for m in group) + "]")
+                     tail.shape, tail.dtype)
         fused_at[tail.id] = fused
         drop.update(m.id for m in group[:-1])
     if fused_at:
@@ -176,7 +175,6 @@ def fuse_adamw(graph: Graph) -> Graph:
     update runs (nothing in an optimizer step does). The group waits for every gradient, so a
     bucketed all-reduce no longer overlaps earlier updates; MPI progresses a non-blocking
     collective only inside MPI calls, so on CPU there was little overlap to lose."""
-    from dtensor.compile.numpy_backend import adamw_group
     from dtensor.compile.passes.memory import VIEW_OPS
     index = {n.id: i for i, n in enumerate(graph.nodes)}
     groups: dict = {}
@@ -212,12 +210,12 @@ def fuse_adamw(graph: Graph) -> Graph:
             params.update({f"{k}_{j}": m.params[k] for k in each})
         group = Node(graph._next, "op", "adamw_group", inputs,
                      {**params, "sizes": tuple(sizes), "each": each}, (3, sum(sizes)),
-                     members[0].dtype, fn=adamw_group, note=f"[{len(members)} parameters]")
+                     members[0].dtype)
         graph._next += 1
         nodes, offset = [group], 0
         for m, size in zip(members, sizes):
             part = Node(m.id, "op", "adamw_part", [group], {"offset": offset, "shape": m.shape},
-                        m.shape, m.dtype, fn=adamw_part, note=m.note)
+                        m.shape, m.dtype)
             offset += size
             parts[m.id] = part
             nodes.append(part)

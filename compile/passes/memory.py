@@ -11,7 +11,6 @@ eager's allocator holds, not one pool per shape.
 """
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 
@@ -25,12 +24,15 @@ VIEW_OPS = frozenset({"reshape", "permute", "getitem", "broadcast_to", "bucket_p
 def _out_capable(n: Node) -> bool:
     if n.kind not in ("op", *KERNEL_KINDS) or n.dtype is None or n.dtype.kind not in "fiub":
         return False
-    if (n.name in ("fused", "fused_rows") and n.fn is None) or getattr(n.fn, "accepts_out",
-                                                                         False):
+    if n.kind in KERNEL_KINDS or n.name in ("fused", "fused_rows"):
         return True
     if n.name == "matmul" and n.variant == "impl":
         return len(n.shape) >= 2
-    if isinstance(n.fn, np.ufunc) and n.fn.nout == 1:
+    from dtensor.compile.numpy_backend import runner
+    fn = runner(n, {})
+    if getattr(fn, "accepts_out", False):
+        return True
+    if isinstance(fn, np.ufunc) and fn.nout == 1:
         arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
         return bool(arrays) and all(a.dtype == n.dtype for a in arrays)
     return False
@@ -137,4 +139,4 @@ def _donate_to_collectives(graph: Graph) -> None:
                and a.kind == "op" and a.name in VIEW_OPS):
             a = a.inputs[0]
         if isinstance(a, Node) and len(users.get(a.id, ())) == 1 and a.buffer is not None:
-            n.fn = functools.partial(n.fn, donate=True)
+            n.params["donate"] = True

@@ -51,8 +51,9 @@ def cse(graph: Graph) -> Graph:
         # A collective is a function of its input too, and every rank traces the same program:
         # the same redistribute of the same value twice (a Partial read by two consumers that
         # each reduce it) is issued once on every rank.
-        fn = n.specs if n.kind == "comm" else _key(n.fn)
-        key = (n.kind, n.name, fn, _key(n.inputs), _key(n.params))
+        # (a local kernel's result depends on where its blocks sit: its specs)
+        key = (n.kind, n.name, n.variant, n.specs if n.kind == "comm" or n.variant != "impl"
+               else None, _key(n.inputs), _key(n.params))
         if n.kind in ("op", "comm") and n.name != "all_reduce_bucket" and key in seen:
             alias[n.id] = seen[key]
             continue

@@ -130,6 +130,86 @@ void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off,
     }
 }
 
+/* Causal (or full) attention, one head at a time, heads h0..h1 of (L, E) blocks: a query row's
+   scores live in a row of scratch (S floats), never a (L, S) matrix, and the backward recomputes
+   them (as FlashAttention does). The dot products run in 8 lanes. */
+static inline T dt_dot_S(const T *a, const T *b, int64_t n) {
+    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[j + l] * b[j + l];
+    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+/* Row i's probabilities p[0..n) (n: the keys it sees) from its scaled query qs. */
+static inline int64_t dt_attention_row_S(const T *qs, const T *k, T *p, int64_t i, int64_t L,
+                                         int64_t E, int causal) {
+    int64_t n = causal ? (i + 1 < L ? i + 1 : L) : L;
+    T m = -INFINITY, l = 0;
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = dt_dot_S(qs, k + j * E, E);
+        m = p[j] > m ? p[j] : m;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = dt_exp_S(p[j] - m);
+        l += p[j];
+    }
+    for (int64_t j = 0; j < n; j++) p[j] /= l;
+    return n;
+}
+
+void attention_S(const T *q, const T *k, const T *v, T *out, int64_t h0, int64_t h1,
+                 int64_t L, int64_t E, T scale, int causal) {
+    T p[L], qs[E], acc[E];
+    for (int64_t h = h0; h < h1; h++) {
+        const T *qh = q + h * L * E, *kh = k + h * L * E, *vh = v + h * L * E;
+        for (int64_t i = 0; i < L; i++) {
+            for (int64_t e = 0; e < E; e++) qs[e] = qh[i * E + e] * scale;
+            int64_t n = dt_attention_row_S(qs, kh, p, i, L, E, causal);
+            for (int64_t e = 0; e < E; e++) acc[e] = 0;
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t e = 0; e < E; e++) acc[e] += p[j] * vh[j * E + e];
+            for (int64_t e = 0; e < E; e++) out[(h * L + i) * E + e] = acc[e];
+        }
+    }
+}
+
+/* dq, dk, dv of heads h0..h1 into out (3, H, L, E) from the output's gradient g:
+   ds_ij = p_ij (g_i . v_j - g_i . o_i), dq_i = scale sum_j ds_ij k_j, dk_j = sum_i ds_ij q_i scale,
+   dv_j = sum_i p_ij g_i. */
+void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out, int64_t h0,
+                          int64_t h1, int64_t H, int64_t L, int64_t E, T scale, int causal) {
+    T p[L], dp[L], qs[E], dq[E];
+    for (int64_t h = h0; h < h1; h++) {
+        const T *gh = g + h * L * E, *qh = q + h * L * E, *kh = k + h * L * E;
+        const T *vh = v + h * L * E;
+        T *dqh = out + h * L * E, *dkh = out + (H + h) * L * E, *dvh = out + (2 * H + h) * L * E;
+        for (int64_t x = 0; x < L * E; x++) dkh[x] = dvh[x] = 0;
+        for (int64_t i = 0; i < L; i++) {
+            for (int64_t e = 0; e < E; e++) qs[e] = qh[i * E + e] * scale;
+            int64_t n = dt_attention_row_S(qs, kh, p, i, L, E, causal);
+            const T *gi = gh + i * E;
+            T d = 0;
+            for (int64_t j = 0; j < n; j++) {
+                dp[j] = dt_dot_S(gi, vh + j * E, E);
+                d += p[j] * dp[j];
+                for (int64_t e = 0; e < E; e++) dvh[j * E + e] += p[j] * gi[e];
+            }
+            for (int64_t e = 0; e < E; e++) dq[e] = 0;
+            for (int64_t j = 0; j < n; j++) {
+                T ds = p[j] * (dp[j] - d);
+                for (int64_t e = 0; e < E; e++) {
+                    dq[e] += ds * kh[j * E + e];
+                    dkh[j * E + e] += ds * qs[e];
+                }
+            }
+            for (int64_t e = 0; e < E; e++) dqh[i * E + e] = dq[e] * scale;
+        }
+    }
+}
+
 /* p, m, v may be po, mo, vo themselves (an update in place): no restrict on those. */
 static inline void dt_adamw_rows_S(const T *p, const T *restrict g, const T *m, const T *v,
                                     T *po, T *mo, T *vo, int64_t n, const T *k) {
@@ -588,6 +668,40 @@ class _IndexAdd:
         return out
 
 
+class _Attention:
+    """attention and its backward (dtensor/ops/nn.py) for (..., L, E) heads, split over
+    threads by heads: a query row's scores are a row of the stack, never an (L, L) matrix."""
+
+    accepts_out = True
+
+    def __init__(self, n: Node, backward: bool):
+        self.backward, self.shape, self.dtype = backward, tuple(n.shape), np.dtype(n.dtype)
+        q = n.inputs[1 if backward else 0]
+        self.L, self.E = q.shape[-2:]
+        self.H = math.prod(q.shape[:-2])
+        self.scale, self.causal = n.params["scale"], int(bool(n.params["causal"]))
+        self.name = f"attention{'_backward' if backward else ''}_{_SUFFIX[_CTYPE[self.dtype]]}"
+        self.source = ""
+        real = ctypes.c_float if self.dtype == np.float32 else ctypes.c_double
+        self.argtypes = ([_P] * (5 if backward else 4) + [_I] * (5 if backward else 4)
+                         + [real, ctypes.c_int])
+
+    def bind(self, params: dict) -> dict:
+        return {}
+
+    def __call__(self, *inputs, out=None):
+        arrays = [np.ascontiguousarray(a) for a in inputs]
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        work = self.H * self.L * self.L * self.E // (2 if self.causal else 1)
+        n = min(num_threads(), self.H) if work >= _SPLIT_ELEMENTS else 1
+        cuts = [self.H * k // n for k in range(n + 1)]
+        head = tuple(_ptr(a) for a in arrays) + (_ptr(out),)
+        tail = ((self.H,) if self.backward else ()) + (self.L, self.E, self.scale, self.causal)
+        if self.H and self.L and self.E:
+            _parallel(self.fn, [head + (a, b) + tail for a, b in zip(cuts[:-1], cuts[1:])])
+        return out
+
+
 class _AdamWGroup:
     """adamw_group (compile/passes/fusion.py): every parameter's update in one call, the
     parameters split over threads by size."""
@@ -628,6 +742,9 @@ def _kernel_for(n: Node, name: str):
     arrays = [a for a in n.inputs if isinstance(a, (Node, np.ndarray))]
     if n.dtype not in (np.float32, np.float64):
         return None
+    if n.name in ("attention", "attention_backward") and n.kind == "op":
+        ok = all(a.dtype == n.dtype for a in arrays) and len(arrays) == len(n.inputs)
+        return _Attention(n, n.name == "attention_backward") if ok else None
     if n.name == "adamw_group":
         ok = all(a.dtype == n.dtype for a in arrays)
         return _AdamWGroup(n.params["sizes"], n.dtype) if ok else None

@@ -190,6 +190,101 @@ def kernel(g_ptr, idx_ptr, out_ptr, N, OFF, ROWS, C, BLOCK_C: tl.constexpr):
 '''
 
 
+# Attention for one head and BLOCK_M query rows a program (the forward), or one head a program
+# walking its query blocks (the backward, whose dk and dv gather over every query): the scores
+# of BLOCK_M rows live in the program's tile, never a whole (L, L) matrix in memory, and the
+# backward recomputes them. Keys are one tile (BLOCK_S >= L).
+ATTENTION = '''
+@triton.jit
+def probs(qs, k, rows, L, CAUSAL: tl.constexpr, BLOCK_S: tl.constexpr):
+    keys = tl.arange(0, BLOCK_S)[None, :]
+    live = (keys < L) & (rows < L)
+    if CAUSAL:
+        live = live & (keys <= rows)
+    s = tl.where(live, tl.dot(qs, tl.trans(k)), -float("inf"))
+    p = tl.where(live, tl.exp(s - tl.max(s, axis=1)[:, None]), 0.0)
+    return tl.where(live, p / tl.sum(p, axis=1)[:, None], 0.0)
+
+
+@triton.jit
+def forward(q_ptr, k_ptr, v_ptr, out_ptr, L, scale, E: tl.constexpr, CAUSAL: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+    base = tl.program_id(0) * L * E
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    ks = tl.arange(0, BLOCK_S)[:, None]
+    es = tl.arange(0, BLOCK_E)[None, :]
+    kmask = (ks < L) & (es < E)
+    qs = tl.load(q_ptr + base + rows * E + es, mask=(rows < L) & (es < E), other=0.0) * scale
+    k = tl.load(k_ptr + base + ks * E + es, mask=kmask, other=0.0)
+    v = tl.load(v_ptr + base + ks * E + es, mask=kmask, other=0.0)
+    p = probs(qs, k, rows, L, CAUSAL, BLOCK_S)
+    tl.store(out_ptr + base + rows * E + es, tl.dot(p, v), mask=(rows < L) & (es < E))
+
+
+@triton.jit
+def backward(g_ptr, q_ptr, k_ptr, v_ptr, out_ptr, H, L, scale, E: tl.constexpr,
+             CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+             BLOCK_E: tl.constexpr):
+    base = tl.program_id(0) * L * E
+    ks = tl.arange(0, BLOCK_S)[:, None]
+    es = tl.arange(0, BLOCK_E)[None, :]
+    kmask = (ks < L) & (es < E)
+    k = tl.load(k_ptr + base + ks * E + es, mask=kmask, other=0.0)
+    v = tl.load(v_ptr + base + ks * E + es, mask=kmask, other=0.0)
+    dk = tl.zeros((BLOCK_S, BLOCK_E), tl.float32)
+    dv = tl.zeros((BLOCK_S, BLOCK_E), tl.float32)
+    for start in range(0, L, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)[:, None]
+        rmask = (rows < L) & (es < E)
+        qs = tl.load(q_ptr + base + rows * E + es, mask=rmask, other=0.0) * scale
+        g = tl.load(g_ptr + base + rows * E + es, mask=rmask, other=0.0)
+        p = probs(qs, k, rows, L, CAUSAL, BLOCK_S)
+        dp = tl.dot(g, tl.trans(v))
+        ds = p * (dp - tl.sum(p * dp, axis=1)[:, None])
+        tl.store(out_ptr + base + rows * E + es, tl.dot(ds, k) * scale, mask=rmask)
+        dk += tl.dot(tl.trans(ds), qs)
+        dv += tl.dot(tl.trans(p), g)
+    tl.store(out_ptr + H * L * E + base + ks * E + es, dk, mask=kmask)
+    tl.store(out_ptr + 2 * H * L * E + base + ks * E + es, dv, mask=kmask)
+'''
+
+
+class _Attention:
+    """attention and its backward (dtensor/ops/nn.py) for (..., L, E) heads."""
+
+    accepts_out = True
+
+    def __init__(self, n: Node, backward: bool):
+        self.backward, self.shape, self.dtype = backward, tuple(n.shape), np.dtype(n.dtype)
+        q = n.inputs[1 if backward else 0]
+        self.L, self.E = q.shape[-2:]
+        self.H = int(np.prod(q.shape[:-2]))
+        self.scale, self.causal = float(n.params["scale"]), bool(n.params["causal"])
+        self.block_s, self.block_e = _pow2(self.L), _pow2(self.E)
+        self.block_m = max(1, min(self.block_s, (1 << 14) // self.block_s))
+        self.source = PRELUDE + ATTENTION
+        self.mod, self.path = _load(self.source)
+
+    def bind(self, params: dict) -> dict:
+        return {}
+
+    def __call__(self, *inputs, out=None):
+        from dtensor.compile.triton_adapter import as_triton_arg
+        args = [as_triton_arg(np.ascontiguousarray(a)) for a in inputs]
+        out = np.empty(self.shape, self.dtype) if out is None else out
+        blocks = dict(E=self.E, CAUSAL=self.causal, BLOCK_M=self.block_m, BLOCK_S=self.block_s,
+                      BLOCK_E=self.block_e)
+        if self.H and self.L and self.E:
+            with np.errstate(all="ignore"):  # rows past L compute 0 / 0, never stored
+                if self.backward:
+                    self.mod.backward[(self.H,)](*args, as_triton_arg(out), self.H, self.L,
+                                                 self.scale, **blocks)
+                else:
+                    self.mod.forward[(self.H, -(-self.L // self.block_m))](
+                        *args, as_triton_arg(out), self.L, self.scale, **blocks)
+        return out
+
+
 class _IndexAdd:
     """index_add, the gradient of an embedding lookup (or a vocab-parallel rank's rows
     ``off`` .. ``off + rows`` of it): row i of g added into row idx[i] - off, in order of i
@@ -291,6 +386,9 @@ def _kernel_for(n: Node):
     if n.name == "adamw_group":
         ok = n.dtype == np.float32 and all(a.dtype == np.float32 for a in arrays)
         return _AdamWGroup(n.params["sizes"]) if ok else None
+    if n.name in ("attention", "attention_backward") and n.kind == "op":
+        ok = n.dtype == np.float32 and all(a.dtype == n.dtype for a in arrays)
+        return _Attention(n, n.name == "attention_backward") if ok else None
     if n.name == "index_add":
         ok = n.dtype.kind == "f" and arrays[1].dtype.kind in "iu"
         return _IndexAdd(n.shape, n.dtype, *kernels.index_add_rows(n)) if ok else None

@@ -246,6 +246,15 @@ def _matrix(avals, params, out, *_):
     return [([Shard(d)], Shard(d)) for d in range(len(out.shape) - 2)] + [([R], R)]
 
 
+def _attention(avals, params, out, *_):
+    # Attention and its stacked backward read whole (L, E) matrices of each head: the batch and
+    # head dims keep their shards (one lower in the backward's (3, ...) result), the last two
+    # stay whole.
+    n, lead = len(avals), len(out.shape) - len(avals[-1].shape)
+    return [([Shard(d)] * n, Shard(d + lead)) for d in range(len(avals[-1].shape) - 2)] + [
+        ([R] * n, R)]
+
+
 def _index_select(avals, params, out, *_):
     w, idx = avals
     ni = len(idx.shape)
@@ -306,7 +315,8 @@ RULES = {
     "index_select": _index_select, "index_add": _index_add, "gather": _gather,
     "scatter_add": _scatter_add, "rowwise": _rowwise,
     "pointwise_stacked": _pointwise_stacked, "reduce": _reduce, "factory": _factory,
-    "along": _along, "matrix": _matrix, "repeat": _repeat, "group_sum": _group_sum,
+    "along": _along, "matrix": _matrix, "attention": _attention, "repeat": _repeat,
+    "group_sum": _group_sum,
 }
 
 
@@ -340,7 +350,8 @@ def _linear_candidates(op, avals, current):
 # Rules whose Shard(d) -> Shard(e) candidates carry dim d's entries to dim e in order, so a
 # strided layout survives them. The index rules read a shard's offset and are not among them.
 _CARRIES = {"pointwise", "matmul", "reshape", "permute", "broadcast", "getitem", "slice_scatter",
-            "cat", "reduce", "rowwise", "pointwise_stacked", "along", "matrix", "factory"}
+            "cat", "reduce", "rowwise", "pointwise_stacked", "along", "matrix", "factory",
+            "attention"}
 
 
 def _strided(cands, avals, out, current):

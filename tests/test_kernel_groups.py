@@ -1,5 +1,5 @@
 """Every kernel kind (fused pointwise groups, row groups, row-wise ops joined by their pointwise
-neighbours, draws, index_add, the AdamW group), forward and backward, compiled on every backend
+neighbours, attention, draws, index_add, the AdamW group), forward and backward, compiled on every backend
 (numpy, C, Triton under its interpreter) against eager, on inputs that reach the tails: values
 up to |x| = 10 through GELU and exp-based ops, rows whose entries spread over 1e3.
 
@@ -68,6 +68,13 @@ GROUPS = {  # id: (function of tensors, inputs, differentiated inputs, row resul
                        lambda: [_x(6, 64), _x(6, 64, seed=1)], (0,), True),
     "causal_attention_probs": (lambda x: (apply(OPS["softmax"], x * 1.0, causal=True),),
                                lambda: [_x(2, 16, 16)], (0,), True),
+    "causal_attention": (lambda q, k, v: (F.scaled_dot_product_attention(q, k, v,
+                                                                         is_causal=True),),
+                         lambda: [_x(2, 3, 20, 8, spread=2.0), _x(2, 3, 20, 8, seed=1, spread=2.0),
+                                  _x(2, 3, 20, 8, seed=2)], (0, 1, 2), True),
+    "attention": (lambda q, k, v: (F.scaled_dot_product_attention(q, k, v) * 2.0,),
+                  lambda: [_x(6, 17, 16, spread=2.0), _x(6, 17, 16, seed=1, spread=2.0),
+                           _x(6, 17, 16, seed=2)], (0, 1, 2), True),
     "log_softmax_mix": (lambda x: (F.log_softmax(x, -1) * 0.25 + x,), lambda: [_x(6, 64)],
                         (0,), True),
     "cross_entropy": (lambda x, t: (F.cross_entropy(x, t),),

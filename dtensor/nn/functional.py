@@ -297,10 +297,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         raise ValueError(f"scaled_dot_product_attention: query dim {query.shape[-1]} != key dim "
                          f"{key.shape[-1]} (shapes {tuple(query.shape)}, {tuple(key.shape)}).")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    att = (query * scale) @ key.mT  # (..., L, S); scaling q touches L*E, not L*S, elements
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or "
                          "is_causal=True, not both.")
+    if (attn_mask is None and (dropout_p == 0.0 or not training)
+            and tuple(query.shape) == tuple(key.shape) == tuple(value.shape)):
+        # One op (self-attention without a mask tensor or dropout): a backend runs it as one
+        # kernel that never writes the (L, L) scores whole.
+        return nnops.attention(query, key, value, scale=float(scale), causal=is_causal)
+    att = (query * scale) @ key.mT  # (..., L, S); scaling q touches L*E, not L*S, elements
     if attn_mask is not None:
         attn_mask = _input(attn_mask, op, "attn_mask")
         try:

@@ -23,7 +23,7 @@ from dtensor.ops import blockwise
 from dtensor.ops import expr as K
 from dtensor.ops.pointwise import pointwise_abstract
 from dtensor.ops.registry import Aval, defop
-from dtensor.ops.structural import accumulate_dtype, check_rows
+from dtensor.ops.structural import accumulate_dtype, check_rows, matmul
 
 _SQRT_HALF = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -401,6 +401,53 @@ log_softmax_backward = defop(
     "log_softmax_backward", impl=lambda g, logp: _rowwise_new(_log_softmax_backward_block, g, logp),
     abstract=_last_dim_abstract, shard="rowwise",
     lower=lambda g, lp: g - K.exp(lp) * K.rowsum(g))
+
+
+# ---------------------------------------------------------------- attention
+# softmax(q k^T scale) v over the last two dims of same-shape q, k, v (..., L, E): one op, so a
+# backend can run it as one kernel that never writes the (L, L) scores whole (FlashAttention's
+# blocking), and autograd keeps q, k, v instead of the probabilities: the backward recomputes
+# them. The impl is the composite's own computation, so eager's numbers do not change.
+
+
+def _attention_probs(q, k, scale, causal):
+    """(q scale, softmax(q scale k^T)), as the composite (q * scale) @ k.mT, softmax forms them."""
+    qs = np.multiply(q, scale)
+    return qs, _softmax_impl(matmul.impl(qs, np.swapaxes(k, -1, -2)), causal)
+
+
+def _attention_backward_impl(g, q, k, v, scale, causal):
+    """(dq, dk, dv) stacked: ds = softmax_backward(g v^T, p), dq = ds k scale, dk = ds^T q
+    scale, dv = p^T g."""
+    qs, p = _attention_probs(q, k, scale, causal)
+    ds = _rowwise_new(_softmax_backward_block, matmul.impl(g, np.swapaxes(v, -1, -2)), p)
+    return np.stack([np.multiply(matmul.impl(ds, k), scale),
+                     matmul.impl(np.swapaxes(ds, -1, -2), qs),
+                     matmul.impl(np.swapaxes(p, -1, -2), g)])
+
+
+def _attention_abstract(q, k, v, scale, causal):
+    if not tuple(q.shape) == tuple(k.shape) == tuple(v.shape):
+        raise ValueError(f"attention: query, key and value need one shape (..., L, E), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; "
+                         f"scaled_dot_product_attention takes other shapes.")
+    return Aval(tuple(q.shape), np.result_type(q.dtype, k.dtype, v.dtype))
+
+
+def _attention_vjp(g, out, q, k, v, scale, causal):
+    grads = attention_backward(g, q, k, v, scale=scale, causal=causal)
+    return grads[0], grads[1], grads[2]
+
+
+attention = defop(
+    "attention", impl=lambda q, k, v, scale, causal: matmul.impl(
+        _attention_probs(q, k, scale, causal)[1], v),
+    abstract=_attention_abstract, vjp=_attention_vjp, shard="attention")
+
+attention_backward = defop(
+    "attention_backward", impl=_attention_backward_impl,
+    abstract=lambda g, q, k, v, scale, causal: Aval((3,) + tuple(q.shape), q.dtype),
+    shard="attention")
 
 
 # ---------------------------------------------------------------- layer-norm core

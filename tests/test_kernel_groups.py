@@ -1,7 +1,7 @@
 """Every kernel kind (fused pointwise groups, row groups, row-wise ops joined by their pointwise
-neighbours, attention, draws, index_add, the AdamW group), forward and backward, compiled on every backend
-(numpy, C, Triton under its interpreter) against eager, on inputs that reach the tails: values
-up to |x| = 10 through GELU and exp-based ops, rows whose entries spread over 1e3.
+neighbours, attention, draws, index_add, the AdamW group), forward and backward, compiled on
+every backend (numpy, C, Triton under its interpreter) against eager, on inputs that reach the
+tails: values up to |x| = 10 through GELU and exp-based ops, rows whose entries spread over 1e3.
 
 The tolerance comes from float32 rounding: eager (float32) and a kernel compute the same formula
 with different rounding, so each is within a few roundings of the float64 result. A kernel

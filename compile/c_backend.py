@@ -131,43 +131,42 @@ void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off,
 }
 
 /* Causal (or full) attention, one head at a time, heads h0..h1 of (L, E) blocks: a query row's
-   scores live in a row of scratch (S floats), never a (L, S) matrix, and the backward recomputes
-   them (as FlashAttention does). The dot products run in 8 lanes. */
-static inline T dt_dot_S(const T *a, const T *b, int64_t n) {
-    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[j + l] * b[j + l];
-    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; j < n; j++) s += a[j] * b[j];
-    return s;
-}
-
-/* Row i's probabilities p[0..n) (n: the keys it sees) from its scaled query qs. */
-static inline int64_t dt_attention_row_S(const T *qs, const T *k, T *p, int64_t i, int64_t L,
+   scores live in a row of the stack, never an (L, L) matrix, and the backward recomputes them
+   (as FlashAttention does). K and V are transposed once a head (kt, vt: E rows of L), so the
+   scores of a row are E passes of L contiguous multiply-adds, which vectorise over the keys. */
+static inline int64_t dt_attention_row_S(const T *qs, const T *kt, T *p, int64_t i, int64_t L,
                                          int64_t E, int causal) {
     int64_t n = causal ? (i + 1 < L ? i + 1 : L) : L;
-    T m = -INFINITY, l = 0;
-    for (int64_t j = 0; j < n; j++) {
-        p[j] = dt_dot_S(qs, k + j * E, E);
-        m = p[j] > m ? p[j] : m;
+    for (int64_t j = 0; j < n; j++) p[j] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const T qe = qs[e], *kr = kt + e * L;
+        for (int64_t j = 0; j < n; j++) p[j] += qe * kr[j];
     }
-    for (int64_t j = 0; j < n; j++) {
-        p[j] = dt_exp_S(p[j] - m);
-        l += p[j];
-    }
-    for (int64_t j = 0; j < n; j++) p[j] /= l;
+    T m = -INFINITY, acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = 0; j < n; j++) m = p[j] > m ? p[j] : m;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) { p[j + l] = dt_exp_S(p[j + l] - m); acc[l] += p[j + l]; }
+    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < n; j++) { p[j] = dt_exp_S(p[j] - m); s += p[j]; }
+    for (j = 0; j < n; j++) p[j] /= s;
     return n;
+}
+
+static inline void dt_transpose_S(const T *a, T *at, int64_t L, int64_t E) {
+    for (int64_t j = 0; j < L; j++)
+        for (int64_t e = 0; e < E; e++) at[e * L + j] = a[j * E + e];
 }
 
 void attention_S(const T *q, const T *k, const T *v, T *out, int64_t h0, int64_t h1,
                  int64_t L, int64_t E, T scale, int causal) {
-    T p[L], qs[E], acc[E];
+    T p[L], qs[E], acc[E], kt[E * L];
     for (int64_t h = h0; h < h1; h++) {
-        const T *qh = q + h * L * E, *kh = k + h * L * E, *vh = v + h * L * E;
+        const T *qh = q + h * L * E, *vh = v + h * L * E;
+        dt_transpose_S(k + h * L * E, kt, L, E);
         for (int64_t i = 0; i < L; i++) {
             for (int64_t e = 0; e < E; e++) qs[e] = qh[i * E + e] * scale;
-            int64_t n = dt_attention_row_S(qs, kh, p, i, L, E, causal);
+            int64_t n = dt_attention_row_S(qs, kt, p, i, L, E, causal);
             for (int64_t e = 0; e < E; e++) acc[e] = 0;
             for (int64_t j = 0; j < n; j++)
                 for (int64_t e = 0; e < E; e++) acc[e] += p[j] * vh[j * E + e];
@@ -181,28 +180,31 @@ void attention_S(const T *q, const T *k, const T *v, T *out, int64_t h0, int64_t
    dv_j = sum_i p_ij g_i. */
 void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out, int64_t h0,
                           int64_t h1, int64_t H, int64_t L, int64_t E, T scale, int causal) {
-    T p[L], dp[L], qs[E], dq[E];
+    T p[L], dp[L], qs[E], dq[E], kt[E * L], vt[E * L];
     for (int64_t h = h0; h < h1; h++) {
         const T *gh = g + h * L * E, *qh = q + h * L * E, *kh = k + h * L * E;
-        const T *vh = v + h * L * E;
         T *dqh = out + h * L * E, *dkh = out + (H + h) * L * E, *dvh = out + (2 * H + h) * L * E;
+        dt_transpose_S(kh, kt, L, E);
+        dt_transpose_S(v + h * L * E, vt, L, E);
         for (int64_t x = 0; x < L * E; x++) dkh[x] = dvh[x] = 0;
         for (int64_t i = 0; i < L; i++) {
             for (int64_t e = 0; e < E; e++) qs[e] = qh[i * E + e] * scale;
-            int64_t n = dt_attention_row_S(qs, kh, p, i, L, E, causal);
+            int64_t n = dt_attention_row_S(qs, kt, p, i, L, E, causal);
             const T *gi = gh + i * E;
-            T d = 0;
-            for (int64_t j = 0; j < n; j++) {
-                dp[j] = dt_dot_S(gi, vh + j * E, E);
-                d += p[j] * dp[j];
-                for (int64_t e = 0; e < E; e++) dvh[j * E + e] += p[j] * gi[e];
+            for (int64_t j = 0; j < n; j++) dp[j] = 0;
+            for (int64_t e = 0; e < E; e++) {
+                const T ge = gi[e], *vr = vt + e * L;
+                for (int64_t j = 0; j < n; j++) dp[j] += ge * vr[j];
             }
+            T d = 0;
+            for (int64_t j = 0; j < n; j++) d += p[j] * dp[j];
             for (int64_t e = 0; e < E; e++) dq[e] = 0;
             for (int64_t j = 0; j < n; j++) {
-                T ds = p[j] * (dp[j] - d);
+                const T ds = p[j] * (dp[j] - d), pj = p[j];
                 for (int64_t e = 0; e < E; e++) {
                     dq[e] += ds * kh[j * E + e];
                     dkh[j * E + e] += ds * qs[e];
+                    dvh[j * E + e] += pj * gi[e];
                 }
             }
             for (int64_t e = 0; e < E; e++) dqh[i * E + e] = dq[e] * scale;

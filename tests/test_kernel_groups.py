@@ -51,6 +51,11 @@ def _rms(x, w):
     return (x * (((x * x).mean(-1, keepdims=True) + 1e-6).rsqrt()) * w,)
 
 
+def _flash(q, k, v, **kw):
+    with F.sdpa_kernel("flash"):  # the attention op and its kernels
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 GROUPS = {  # id: (function of tensors, inputs, differentiated inputs, row results?)
     "gelu_chain": (lambda x, w, b: (F.gelu(x * w + b),),
                    lambda: [_x(6, 64), _x(64, seed=1, spread=1.0), _x(64, seed=2)], (0, 1), False),
@@ -68,11 +73,10 @@ GROUPS = {  # id: (function of tensors, inputs, differentiated inputs, row resul
                        lambda: [_x(6, 64), _x(6, 64, seed=1)], (0,), True),
     "causal_attention_probs": (lambda x: (apply(OPS["softmax"], x * 1.0, causal=True),),
                                lambda: [_x(2, 16, 16)], (0,), True),
-    "causal_attention": (lambda q, k, v: (F.scaled_dot_product_attention(q, k, v,
-                                                                         is_causal=True),),
+    "causal_attention": (lambda q, k, v: (_flash(q, k, v, is_causal=True),),
                          lambda: [_x(2, 3, 20, 8, spread=2.0), _x(2, 3, 20, 8, seed=1, spread=2.0),
                                   _x(2, 3, 20, 8, seed=2)], (0, 1, 2), True),
-    "attention": (lambda q, k, v: (F.scaled_dot_product_attention(q, k, v) * 2.0,),
+    "attention": (lambda q, k, v: (_flash(q, k, v) * 2.0,),
                   lambda: [_x(6, 17, 16, spread=2.0), _x(6, 17, 16, seed=1, spread=2.0),
                            _x(6, 17, 16, seed=2)], (0, 1, 2), True),
     "log_softmax_mix": (lambda x: (F.log_softmax(x, -1) * 0.25 + x,), lambda: [_x(6, 64)],

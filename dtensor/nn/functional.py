@@ -5,6 +5,7 @@ matters for the gradient (a max subtracted for stability, a mask) a comment says
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import reprlib
@@ -20,7 +21,7 @@ from dtensor.tensor import TensorMethods, as_tensor, need_floating, over_last_di
 from dtensor.validate import as_bool, as_int, as_real, as_shape
 
 __all__ = ["relu", "gelu", "silu", "softmax", "log_softmax", "layer_norm", "rms_norm", "dropout",
-           "embedding", "linear", "cross_entropy", "scaled_dot_product_attention"]
+           "embedding", "linear", "cross_entropy", "scaled_dot_product_attention", "sdpa_kernel"]
 
 def _input(x, op: str, what: str = "input"):
     """``x`` as a tensor: tensors pass, numpy arrays, nested lists and numbers are converted
@@ -277,6 +278,27 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
     return mean.astype(input.dtype)
 
 
+_SDPA = {"kernel": "math"}
+
+
+@contextlib.contextmanager
+def sdpa_kernel(kernel: str):
+    """How scaled_dot_product_attention computes self-attention with no mask tensor or dropout
+    inside the block (as torch.nn.attention.sdpa_kernel): "math", the default, as matmul,
+    softmax, matmul; "flash", as one attention op, whose C and Triton kernels never write the
+    (L, L) scores whole and whose backward recomputes them: autograd keeps q, k and v, not the
+    (L, L) probabilities. On CPU "math" measured faster at every size tried, 1.2-1.8x
+    (benchmarks/attention.py: BLAS's GEMMs against the C kernel's vector loops), so "flash" is
+    for memory, not speed. A compiled function keeps the choice it was traced with."""
+    if kernel not in ("math", "flash"):
+        raise ValueError(f"sdpa_kernel: kernel must be 'math' or 'flash', got {kernel!r}.")
+    before, _SDPA["kernel"] = _SDPA["kernel"], kernel
+    try:
+        yield
+    finally:
+        _SDPA["kernel"] = before
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: float | None = None,
                                  training: bool = True, enable_gqa: bool = False):
@@ -300,10 +322,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or "
                          "is_causal=True, not both.")
-    if (attn_mask is None and (dropout_p == 0.0 or not training)
+    if (_SDPA["kernel"] == "flash" and attn_mask is None and (dropout_p == 0.0 or not training)
             and tuple(query.shape) == tuple(key.shape) == tuple(value.shape)):
-        # One op (self-attention without a mask tensor or dropout): a backend runs it as one
-        # kernel that never writes the (L, L) scores whole.
         return nnops.attention(query, key, value, scale=float(scale), causal=is_causal)
     att = (query * scale) @ key.mT  # (..., L, S); scaling q touches L*E, not L*S, elements
     if attn_mask is not None:

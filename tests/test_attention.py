@@ -1,0 +1,83 @@
+"""The attention op (``sdpa_kernel("flash")``): on a GPT and a Llama (grouped-query heads), in
+one process and at tensor-parallel 2, eager and compiled on every backend, the loss and the
+gradients are those of the "math" path (matmul, softmax, matmul) run in one process. Its own
+values against numpy are in tests/test_ops.py, its kernels' accuracy in test_kernel_groups.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_compile import full
+
+import dtensor
+import dtensor.nn.functional as F
+from dtensor.nn import GPT, GPTConfig, Llama, LlamaConfig
+
+GPT_CFG = dict(vocab_size=64, n_layer=2, n_embd=32, n_head=4, mlp_hidden=64, block_size=16)
+LLAMA_CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
+                 max_seq_len=16)
+
+
+def _model(arch):
+    dtensor.manual_seed(0)
+    return GPT(GPTConfig(**GPT_CFG)) if arch == "gpt" else Llama(LlamaConfig(**LLAMA_CFG))
+
+
+def _loss(model, x, y):
+    out = model(x, y)
+    if isinstance(out, tuple):
+        return out[1]
+    logits = out
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _run(arch, kernel, backend=None, tp=1):
+    """Loss and whole gradients of one step of a model on fixed tokens."""
+    from dtensor.parallel import parallelize
+
+    model = _model(arch)
+    if tp > 1:
+        parallelize(model, dtensor.init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)))
+    params = dict(model.named_parameters())
+
+    def step(x, y):
+        loss = _loss(model, x, y)
+        return (loss,) + tuple(dtensor.autograd.grad(loss, list(params.values())))
+
+    rng = np.random.default_rng(3)
+    x, y = (rng.integers(0, 64, (2, 16)) for _ in "xy")
+    with F.sdpa_kernel(kernel):
+        run = step if backend is None else dtensor.compile(step, backend=backend)
+        outs = run(x, y)
+    return float(full(outs[0])), [full(g) for g in outs[1:]], run
+
+
+@pytest.mark.parametrize("backend", [None, "numpy", "c", "triton"])
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_flash_equals_math_in_one_process(arch, backend):
+    want_loss, want_grads, _ = _run(arch, "math")
+    loss, grads, run = _run(arch, "flash", backend)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    if backend in ("c", "triton"):
+        names = [n.name for n in run.last.graph.nodes if n.kind == backend]
+        assert {"attention", "attention_backward"} <= set(names), names
+
+
+@pytest.mark.ranks(2, timeout=300)
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_flash_at_tensor_parallel_2(arch, rank):
+    """Heads sharded over 2 ranks: the op's rule keeps them sharded (no collective for it), eager
+    and compiled C, as the one-process math path."""
+    want_loss, want_grads, _ = _run(arch, "math")
+    for backend in (None, "c"):
+        loss, grads, _ = _run(arch, "flash", backend, tp=2)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        for g, w in zip(grads, want_grads):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_unknown_kernel_is_a_clear_error():
+    with pytest.raises(ValueError, match="kernel must be 'math' or 'flash', got 'fast'"):
+        with F.sdpa_kernel("fast"):
+            pass

@@ -80,7 +80,7 @@ def members(n: Node):
             (shape[:-1], shape[-1]))
 
 
-def expression(ops, per_row=()) -> X.E:
+def expression(ops) -> X.E:
     """The group's result as one expression over inputs ``in k``."""
     vals = []
     for j, (name, op, refs, params) in enumerate(ops):
@@ -140,7 +140,6 @@ class Kernel:
                 rv = e.prim != "col" and all(self.row_valued[a] for a in args)
                 lv = max((self.level[a] for a in args), default=0)
             self.row_valued[id(e)], self.level[id(e)] = rv, lv
-        self.levels = self.level[id(self.root)] + (0 if self.row_valued[id(self.root)] else 1)
 
     def literal(self, v):
         """A constant's value for this kernel (a {itemsize: value} table resolved)."""

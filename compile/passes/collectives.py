@@ -2,7 +2,6 @@
 merge independent small gradient all-reduces into buckets."""
 from __future__ import annotations
 
-
 import numpy as np
 
 from dtensor.graph import Graph, Node
@@ -88,6 +87,7 @@ def bucket_wait(work, shapes):
 
 
 def bucket_part(parts, index):
+    """One gradient of a completed bucket."""
     return parts[index]
 
 

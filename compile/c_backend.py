@@ -608,16 +608,15 @@ class _Kernel(kernels.Kernel):
             out.append(f"        {T} a{i}[8] = {{{', '.join([init] * 8)}}};")
         args = [e.args[0] for e in reductions]
 
-        def update(e, acc):
-            v = self._name(e.args[0])
-            if e.prim == "rowsum":
-                return f"{acc} = {acc} + {v};"
-            return f"{acc} = {v} > {acc} ? {v} : {acc};"
-        out += ["        int64_t c = 0;", "        for (; c + 8 <= n; c += 8)",
-                "            for (int l = 0; l < 8; l++) {",
-                "                const int64_t cc = c + l;"]
-        out += self._body(args, "                ")
-        out += [f"                {update(e, f'a{self.index[id(e)]}[l]')}" for e in reductions]
+        def loop(head, pad, acc):  # the 8-lane loop, or the tail
+            out.extend(head + self._body(args, pad))
+            for e in reductions:
+                a, v = acc.format(self.index[id(e)]), self._name(e.args[0])
+                out.append(f"{pad}{a} = {a} + {v};" if e.prim == "rowsum" else
+                           f"{pad}{a} = {v} > {a} ? {v} : {a};")
+        loop(["        int64_t c = 0;", "        for (; c + 8 <= n; c += 8)",
+              "            for (int l = 0; l < 8; l++) {",
+              "                const int64_t cc = c + l;"], " " * 16, "a{}[l]")
         out.append("            }")
         for e in reductions:
             i = self.index[id(e)]
@@ -628,9 +627,8 @@ class _Kernel(kernels.Kernel):
                 out.append(f"        v{i} = a{i}[0];")
                 out.append(f"        for (int l = 1; l < 8; l++) "
                            f"v{i} = a{i}[l] > v{i} ? a{i}[l] : v{i};")
-        out += ["        for (; c < n; c++) {", "            const int64_t cc = c;"]
-        out += self._body(args, "            ")
-        out += [f"            {update(e, f'v{self.index[id(e)]}')}" for e in reductions]
+        loop(["        for (; c < n; c++) {", "            const int64_t cc = c;"], " " * 12,
+             "v{}")
         out += ["        }", "        }"]
         for e in reductions:
             self.names[id(e)] = f"v{self.index[id(e)]}"
@@ -641,28 +639,22 @@ class _Kernel(kernels.Kernel):
                   self.R * self.C * (len(arrays) + 1), tuple(keys[k] for k in self.keys))
 
 
-class _IndexAdd:
+class _IndexAdd(kernels.Named):
     """index_add, the gradient of an embedding lookup: the whole op, or a vocab-parallel rank's
     block of it (rows ``off`` .. ``off + rows`` of the weight; other indices add nothing)."""
-
-    accepts_out = True
 
     def __init__(self, shape, dtype, off: int, total_rows: int):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.rows, self.C = self.shape[0], math.prod(self.shape[1:])
         self.off, self.total_rows = off, total_rows
         self.name = f"index_add_{_SUFFIX[_CTYPE[self.dtype]]}"
-        self.source = ""
         self.argtypes = [_P] * 3 + [_I] * 6
-
-    def bind(self, params: dict) -> dict:
-        return {}
 
     def __call__(self, g, idx, like, out=None):
         from dtensor.ops.structural import check_rows
         flat = np.ascontiguousarray(check_rows(idx, self.total_rows), dtype=np.int64)
         g = np.ascontiguousarray(g, dtype=self.dtype)
-        out = np.empty(self.shape, self.dtype) if out is None else out
+        out = self.alloc(out)
         n = min(num_threads(), -(-self.C // 8)) if flat.size * self.C >= _SPLIT_ELEMENTS else 1
         cuts = [self.C * k // n // 8 * 8 for k in range(n)] + [self.C]  # whole vectors
         head = (_ptr(g), _ptr(flat), _ptr(out), flat.size, self.off, self.rows, self.C)
@@ -670,11 +662,9 @@ class _IndexAdd:
         return out
 
 
-class _Attention:
+class _Attention(kernels.Named):
     """attention and its backward (dtensor/ops/nn.py) for (..., L, E) heads, split over
     threads by heads: a query row's scores are a row of the stack, never an (L, L) matrix."""
-
-    accepts_out = True
 
     def __init__(self, n: Node, backward: bool):
         self.backward, self.shape, self.dtype = backward, tuple(n.shape), np.dtype(n.dtype)
@@ -683,32 +673,22 @@ class _Attention:
         self.H = math.prod(q.shape[:-2])
         self.scale, self.causal = n.params["scale"], int(bool(n.params["causal"]))
         self.name = f"attention{'_backward' if backward else ''}_{_SUFFIX[_CTYPE[self.dtype]]}"
-        self.source = ""
         real = ctypes.c_float if self.dtype == np.float32 else ctypes.c_double
         self.argtypes = ([_P] * (5 if backward else 4) + [_I] * (5 if backward else 4)
                          + [real, ctypes.c_int])
 
-    def bind(self, params: dict) -> dict:
-        return {}
-
     def __call__(self, *inputs, out=None):
-        arrays = [np.ascontiguousarray(a) for a in inputs]
-        out = np.empty(self.shape, self.dtype) if out is None else out
-        work = self.H * self.L * self.L * self.E // (2 if self.causal else 1)
-        n = min(num_threads(), self.H) if work >= _SPLIT_ELEMENTS else 1
-        cuts = [self.H * k // n for k in range(n + 1)]
-        head = tuple(_ptr(a) for a in arrays) + (_ptr(out),)
+        arrays, out = [np.ascontiguousarray(a) for a in inputs], self.alloc(out)
         tail = ((self.H,) if self.backward else ()) + (self.L, self.E, self.scale, self.causal)
-        if self.H and self.L and self.E:
-            _parallel(self.fn, [head + (a, b) + tail for a, b in zip(cuts[:-1], cuts[1:])])
+        if self.H and self.L and self.E:  # (the work: L^2 E multiply-adds a head)
+            _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.H,
+                      self.H * self.L * self.L * self.E, tail)
         return out
 
 
-class _AdamWGroup:
+class _AdamWGroup(kernels.Named):
     """adamw_group (compile/passes/fusion.py): every parameter's update in one call, the
     parameters split over threads by size."""
-
-    accepts_out = True
 
     def __init__(self, sizes, dtype):
         self.sizes = np.array(sizes, np.int64)
@@ -716,7 +696,6 @@ class _AdamWGroup:
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
         self.dtype = np.dtype(dtype)
         self.name = f"adamw_group_{_SUFFIX[_CTYPE[self.dtype]]}"
-        self.source = ""
         self.argtypes = [_P] * 5 + [_I] * 3
         n = num_threads() if self.total >= _SPLIT_ELEMENTS else 1
         cum = np.cumsum(self.sizes)  # cut where the running size passes k / n of the total

@@ -170,6 +170,20 @@ class Kernel:
         return out
 
 
+class Named:
+    """A kernel kind of its own, not an expression (index_add, attention, the AdamW group):
+    called with its node's inputs, into ``out`` when the memory plan gives one."""
+
+    accepts_out = True
+    source = ""  # (the C ones live in the backend's prelude)
+
+    def bind(self, params: dict) -> dict:
+        return {}
+
+    def alloc(self, out):
+        return np.empty(self.shape, self.dtype) if out is None else out
+
+
 def index_add_rows(n: Node) -> tuple[int, int]:
     """(first row, the op's total rows) of an index_add node's result: the whole op, or a
     vocab-parallel rank's rows of it (its local kernel's output block)."""

@@ -16,6 +16,7 @@ import sys
 import numpy as np
 from dtensor.compile import kernels
 from dtensor.compile.numpy_backend import import_source
+from dtensor.compile.triton_adapter import as_triton_arg
 
 from dtensor.graph import Graph, Node
 from dtensor.ops import expr as X
@@ -63,6 +64,7 @@ def pow(x, y):  # numpy's power: an integer exponent below 32 by squaring (exact
     return tl.where(whole & (tl.abs(y) < 32.0), acc, r)
 '''
 
+
 def ensure_triton():
     """Import triton for kernels that run on numpy arrays, i.e. under the interpreter.
 
@@ -84,14 +86,8 @@ def _load(source: str):
     return import_source(source, "dtk")
 
 
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def _block(n: int) -> int:
-    """Elements per program of a 1-D kernel: the next power of two, 16 to 16384."""
-    return min(1 << 14, 1 << max(4, (n - 1).bit_length()))
 
 
 def _literal(v) -> str:
@@ -170,7 +166,6 @@ class _Kernel(kernels.Kernel):
         self.mod, self.path = _load(self.source)
 
     def launch(self, arrays, out, keys):
-        from dtensor.compile.triton_adapter import as_triton_arg
         grid = (-(-self.R // self.block_r), -(-self.out_cols // self.block_c))
         with np.errstate(all="ignore"):  # masked-off lanes may compute inf - inf
             self.mod.kernel[grid](*[as_triton_arg(a) for a in arrays], as_triton_arg(out),
@@ -249,10 +244,8 @@ def backward(g_ptr, q_ptr, k_ptr, v_ptr, out_ptr, H, L, scale, E: tl.constexpr,
 '''
 
 
-class _Attention:
+class _Attention(kernels.Named):
     """attention and its backward (dtensor/ops/nn.py) for (..., L, E) heads."""
-
-    accepts_out = True
 
     def __init__(self, n: Node, backward: bool):
         self.backward, self.shape, self.dtype = backward, tuple(n.shape), np.dtype(n.dtype)
@@ -265,11 +258,7 @@ class _Attention:
         self.source = PRELUDE + ATTENTION
         self.mod, self.path = _load(self.source)
 
-    def bind(self, params: dict) -> dict:
-        return {}
-
     def __call__(self, *inputs, out=None):
-        from dtensor.compile.triton_adapter import as_triton_arg
         args = [as_triton_arg(np.ascontiguousarray(a)) for a in inputs]
         out = np.empty(self.shape, self.dtype) if out is None else out
         blocks = dict(E=self.E, CAUSAL=self.causal, BLOCK_M=self.block_m, BLOCK_S=self.block_s,
@@ -285,12 +274,10 @@ class _Attention:
         return out
 
 
-class _IndexAdd:
+class _IndexAdd(kernels.Named):
     """index_add, the gradient of an embedding lookup (or a vocab-parallel rank's rows
     ``off`` .. ``off + rows`` of it): row i of g added into row idx[i] - off, in order of i
     under the interpreter."""
-
-    accepts_out = True
 
     def __init__(self, shape, dtype, off: int, total_rows: int):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
@@ -300,11 +287,7 @@ class _IndexAdd:
         self.source = PRELUDE + INDEX_ADD
         self.mod, self.path = _load(self.source)
 
-    def bind(self, params: dict) -> dict:
-        return {}
-
     def __call__(self, g, idx, like, out=None):
-        from dtensor.compile.triton_adapter import as_triton_arg
         from dtensor.ops.structural import check_rows
         flat = np.ascontiguousarray(check_rows(idx, self.total_rows), dtype=np.int64)
         g = np.ascontiguousarray(g, dtype=self.dtype)
@@ -344,15 +327,13 @@ def _adamw_group_source() -> str:
         f"    tl.store(out_ptr + 2 * TOTAL + o, {vo}, mask=mask)", ""])
 
 
-class _AdamWGroup:
+class _AdamWGroup(kernels.Named):
     """adamw_group (compile/passes/fusion.py): float32 parameters, one kernel launch."""
-
-    accepts_out = True
 
     def __init__(self, sizes):
         self.sizes = tuple(sizes)
         self.total = sum(self.sizes)
-        self.block = _block(max(self.sizes))
+        self.block = min(1 << 14, max(16, _pow2(max(self.sizes))))  # elements a program
         chunks = [(t, s) for t, n in enumerate(self.sizes) for s in range(0, n, self.block)]
         self.chunk_tensor = np.array([t for t, _ in chunks], np.int64)
         self.chunk_start = np.array([s for _, s in chunks], np.int64)
@@ -366,7 +347,6 @@ class _AdamWGroup:
 
     def __call__(self, *arrays, each=(), out=None, in_place=False, **hp):
         from dtensor.compile.numpy_backend import adamw_table, update_target
-        from dtensor.compile.triton_adapter import as_triton_arg
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the launch
         tables = [np.array([a.ctypes.data for a in arrays[k::4]], np.int64) for k in range(4)]
         hp_tab = adamw_table(hp, len(self.sizes), np.float32)

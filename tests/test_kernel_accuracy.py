@@ -115,6 +115,17 @@ def test_every_kernel_op_has_a_case():
     assert spelled == {c[0] for c in CASES.values()}
 
 
+def test_every_primitive_has_a_spelling_on_every_backend():
+    """A primitive added to dtensor/ops/expr.py without a spelling in a renderer's table fails
+    here, not in the first model that uses it."""
+    from dtensor.compile import c_backend, numpy_backend, triton_backend
+    from dtensor.ops.expr import PRIMS
+    numpy_spells = set(numpy_backend._UFUNCS) | {"where", "cast", "rand", "randn"}
+    for name, table in (("c", c_backend._SPELL), ("triton", triton_backend._SPELL),
+                        ("numpy", numpy_spells)):
+        assert set(PRIMS) <= set(table), (name, sorted(set(PRIMS) - set(table)))
+
+
 def test_every_lower_is_an_expression_a_kernel_reads():
     """``lower`` is an expression builder or nothing, and only on the op kinds the kernels read
     (compile/kernels.py; the AdamW group's kernels render adamw_step's): no tag that no

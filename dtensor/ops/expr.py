@@ -10,19 +10,19 @@ element ``(row, col)`` of a kernel over rows of the last dim: a row reduction (`
 columns ``col <= row % L`` of each trailing (L, C) matrix (zeros elsewhere), as FlashAttention's
 causal bound does; ``rand(offset, key)`` draws counter-based uniforms (dtensor/random.py).
 
-The primitives, and nothing else, are what a renderer must spell (PRIMS). A constant may be a
-{itemsize: value} table, resolved for the kernel's float type (a cut-off that depends on it).
+A constant may be a {itemsize: value} table, resolved for the kernel's float type (a cut-off
+that depends on it).
 """
 from __future__ import annotations
 
 import numpy as np
 
-UNARY = ("neg", "not", "abs", "exp", "log", "sqrt", "tanh", "sin", "cos")
-BINARY = ("add", "sub", "mul", "div", "pow", "maximum", "minimum",
-          "lt", "le", "gt", "ge", "eq", "ne")
+# Computed element by element (every renderer's table spells them); the leaves, the row
+# reductions and causal's column limit are the kernel's own structure.
+PRIMS = ("neg", "not", "abs", "exp", "log", "sqrt", "tanh", "sin", "cos", "add", "sub", "mul",
+         "div", "pow", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne", "where", "cast",
+         "rand", "randn")
 LEAVES = ("in", "const", "col", "row", "cols")
-PRIMS = UNARY + BINARY + LEAVES + ("where", "cast", "rand", "randn", "rowsum", "rowmax",
-                                   "causal")
 REDUCTIONS = ("rowsum", "rowmax")
 
 

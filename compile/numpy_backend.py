@@ -179,6 +179,7 @@ def update_target(arrays, sizes, in_place: bool) -> np.ndarray:
                 return base
     return np.empty((3, total), dtype)
 
+
 def adamw_table(hp: dict, count: int, dtype) -> np.ndarray:
     """(count, 7) constants (dtensor.ops.nn.adamw_constants) of an adamw_group's parameters,
     from hyperparameters shared (as given) or per parameter (named in ``each``: ``name_j``)."""

@@ -149,6 +149,11 @@ def _unwrap(x):
     return x.node if type(x) is Traced else x
 
 
+def _at_run_time(params) -> bool:
+    """Whether a param is only known when the compiled function runs (a draw's key)."""
+    return any(isinstance(v, Slot) for v in params.values())
+
+
 class Tracer:
     """Records a graph while active (``with Tracer() as t: ...``)."""
 
@@ -184,8 +189,7 @@ class Tracer:
     def eager(self, op, arrays, params):
         """An eager op on arrays: recorded if any input is traced or a param is only known at
         run time (a draw's key), else run now."""
-        if not _contains_traced(arrays) and not any(isinstance(v, Slot)
-                                                    for v in params.values()):
+        if not _contains_traced(arrays) and not _at_run_time(params):
             return op.impl(*arrays, **params)
         from dtensor.ops.registry import Aval
         avals = [Aval(a.shape, a.dtype) if isinstance(a, (Traced, np.ndarray)) else a
@@ -198,7 +202,7 @@ class Tracer:
         """A DTensor op on this rank's blocks: its impl, or with ``blocks`` (where the blocks
         sit) its local kernel."""
         from dtensor.dtensor import _local_block
-        if not _contains_traced(locals_):  # constants only: compute now
+        if not _contains_traced(locals_) and not _at_run_time(params):  # compute now
             if blocks is None:
                 return op.impl(*locals_, **params)
             return op.local(*locals_, in_blocks=blocks[0], out_block=blocks[1], **params)

@@ -185,3 +185,28 @@ def test_adamw_of_one_and_of_many_parameters(backend):
     for got, want in zip(train(backend), train(None)):
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=4e-6, atol=1e-7)
+
+
+@pytest.mark.ranks(2, timeout=300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_draws_inside_a_compiled_function(backend, rank):
+    """DTensor draws made inside the compiled function (no traced input: the key is a run-time
+    slot) hold the one-process numbers on each rank's block, uniform bit for bit."""
+    from dtensor.placements import Shard
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+
+    def f(a):
+        u = dtensor.rand(6, 8, device_mesh=mesh, placements=[Shard(1)])
+        n = dtensor.randn(6, 8, device_mesh=mesh, placements=[Shard(0)])
+        return u * a, n
+
+    x = dtensor.distribute_tensor(dtensor.Tensor(_x(6, 8)), mesh, [Shard(1)])
+    dtensor.manual_seed(4)
+    want = [t.full_tensor().numpy() for t in f(x)]
+    compiled = dtensor.compile(f, backend=backend)
+    dtensor.manual_seed(4)
+    got = [t.full_tensor().numpy() for t in compiled(x)]
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=16 * EPS, atol=1e-30)
+    dtensor.manual_seed(4)
+    np.testing.assert_array_equal(dtensor.rand(6, 8).numpy() * _x(6, 8), want[0])  # 1 process

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
 import os
 import platform
 import queue
@@ -639,22 +638,16 @@ class _Kernel(kernels.Kernel):
                   self.R * self.C * (len(arrays) + 1), tuple(keys[k] for k in self.keys))
 
 
-class _IndexAdd(kernels.Named):
-    """index_add, the gradient of an embedding lookup: the whole op, or a vocab-parallel rank's
-    block of it (rows ``off`` .. ``off + rows`` of the weight; other indices add nothing)."""
+class _IndexAdd(kernels.IndexAdd):
+    """index_add, threads splitting the columns."""
 
-    def __init__(self, shape, dtype, off: int, total_rows: int):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.rows, self.C = self.shape[0], math.prod(self.shape[1:])
-        self.off, self.total_rows = off, total_rows
+    def __init__(self, n: Node):
+        super().__init__(n)
         self.name = f"index_add_{_SUFFIX[_CTYPE[self.dtype]]}"
         self.argtypes = [_P] * 3 + [_I] * 6
 
     def __call__(self, g, idx, like, out=None):
-        from dtensor.ops.structural import check_rows
-        flat = np.ascontiguousarray(check_rows(idx, self.total_rows), dtype=np.int64)
-        g = np.ascontiguousarray(g, dtype=self.dtype)
-        out = self.alloc(out)
+        (g, flat), out = self.rows_of(g, idx), self.alloc(out)
         n = min(num_threads(), -(-self.C // 8)) if flat.size * self.C >= _SPLIT_ELEMENTS else 1
         cuts = [self.C * k // n // 8 * 8 for k in range(n)] + [self.C]  # whole vectors
         head = (_ptr(g), _ptr(flat), _ptr(out), flat.size, self.off, self.rows, self.C)
@@ -662,24 +655,21 @@ class _IndexAdd(kernels.Named):
         return out
 
 
-class _Attention(kernels.Named):
-    """attention and its backward (dtensor/ops/nn.py) for (..., L, E) heads, split over
-    threads by heads: a query row's scores are a row of the stack, never an (L, L) matrix."""
+class _Attention(kernels.Attention):
+    """attention and its backward, heads split over threads: a query row's scores are a row of
+    the stack, never an (L, L) matrix."""
 
-    def __init__(self, n: Node, backward: bool):
-        self.backward, self.shape, self.dtype = backward, tuple(n.shape), np.dtype(n.dtype)
-        q = n.inputs[1 if backward else 0]
-        self.L, self.E = q.shape[-2:]
-        self.H = math.prod(q.shape[:-2])
-        self.scale, self.causal = n.params["scale"], int(bool(n.params["causal"]))
-        self.name = f"attention{'_backward' if backward else ''}_{_SUFFIX[_CTYPE[self.dtype]]}"
+    def __init__(self, n: Node):
+        super().__init__(n)
+        self.name = f"{n.name}_{_SUFFIX[_CTYPE[self.dtype]]}"
         real = ctypes.c_float if self.dtype == np.float32 else ctypes.c_double
-        self.argtypes = ([_P] * (5 if backward else 4) + [_I] * (5 if backward else 4)
-                         + [real, ctypes.c_int])
+        k = 5 if self.backward else 4
+        self.argtypes = [_P] * k + [_I] * k + [real, ctypes.c_int]
 
     def __call__(self, *inputs, out=None):
         arrays, out = [np.ascontiguousarray(a) for a in inputs], self.alloc(out)
-        tail = ((self.H,) if self.backward else ()) + (self.L, self.E, self.scale, self.causal)
+        tail = ((self.H,) if self.backward else ()) + (self.L, self.E, self.scale,
+                                                       int(self.causal))
         if self.H and self.L and self.E:  # (the work: L^2 E multiply-adds a head)
             _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.H,
                       self.H * self.L * self.L * self.E, tail)
@@ -725,13 +715,13 @@ def _kernel_for(n: Node, name: str):
         return None
     if n.name in ("attention", "attention_backward") and n.kind == "op":
         ok = all(a.dtype == n.dtype for a in arrays) and len(arrays) == len(n.inputs)
-        return _Attention(n, n.name == "attention_backward") if ok else None
+        return _Attention(n) if ok else None
     if n.name == "adamw_group":
         ok = all(a.dtype == n.dtype for a in arrays)
         return _AdamWGroup(n.params["sizes"], n.dtype) if ok else None
     if n.name == "index_add":
         ok = arrays[0].dtype == n.dtype and arrays[1].dtype.kind in "iu"
-        return _IndexAdd(n.shape, n.dtype, *kernels.index_add_rows(n)) if ok else None
+        return _IndexAdd(n) if ok else None
     found = kernels.members(n)
     kernel = _Kernel(n, found, name) if found is not None else None
     return kernel if kernel is not None and _supported(kernel) else None

@@ -184,13 +184,32 @@ class Named:
         return np.empty(self.shape, self.dtype) if out is None else out
 
 
-def index_add_rows(n: Node) -> tuple[int, int]:
-    """(first row, the op's total rows) of an index_add node's result: the whole op, or a
-    vocab-parallel rank's rows of it (its local kernel's output block)."""
-    if n.variant == "impl":
-        return 0, n.shape[0]
-    out = n.blocks[1]
-    return out.rows(0)[0], out.shape[0]
+class IndexAdd(Named):
+    """index_add, an embedding's gradient: the whole op, or a vocab-parallel rank's rows
+    ``off`` .. ``off + rows`` of it (its local kernel's output block; other indices add
+    nothing). ``rows_of`` checks the indices and gives them and g as the kernel reads them."""
+
+    def __init__(self, n: Node):
+        self.shape, self.dtype = tuple(n.shape), np.dtype(n.dtype)
+        self.rows, self.C = self.shape[0], math.prod(self.shape[1:])
+        out = n.blocks[1] if n.variant != "impl" else None
+        self.off, self.total_rows = (out.rows(0)[0], out.shape[0]) if out else (0, self.rows)
+
+    def rows_of(self, g, idx):
+        from dtensor.ops.structural import check_rows
+        flat = np.ascontiguousarray(check_rows(idx, self.total_rows), dtype=np.int64)
+        return np.ascontiguousarray(g, dtype=self.dtype), flat
+
+
+class Attention(Named):
+    """attention or its backward (dtensor/ops/nn.py) over H heads of (L, E)."""
+
+    def __init__(self, n: Node):
+        self.backward = n.name == "attention_backward"
+        self.shape, self.dtype = tuple(n.shape), np.dtype(n.dtype)
+        q = n.inputs[1 if self.backward else 0]
+        self.L, self.E, self.H = *q.shape[-2:], math.prod(q.shape[:-2])
+        self.scale, self.causal = float(n.params["scale"]), bool(n.params["causal"])
 
 
 def straight_line(roots, spell) -> tuple[list, list]:

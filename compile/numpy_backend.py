@@ -222,8 +222,10 @@ class GroupKernel(kernels_layer.Kernel):
             for a, shape, lay in zip(arrays, self.in_shapes, self.inputs)]
         table = self.table
 
+        indexed = self.causal or any(e.prim in ("row", "col") for e in self.nodes)
+
         def block(lo, hi):
-            row, col = np.arange(lo, hi)[:, None], np.arange(C)[None, :]
+            row, col = (np.arange(lo, hi)[:, None], np.arange(C)[None, :]) if indexed else (0, 0)
             keep = col <= row % self.L if self.causal else None
             v = {}
             for e in self.nodes:

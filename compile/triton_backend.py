@@ -159,7 +159,7 @@ class _Kernel(kernels.Kernel):
             res = f"tl.where(mask, {res}, 0.0)"
         if self.dtype != np.dtype(bool):
             res = f"({res}).to({_TL_TYPES[self.dtype.name]})"
-        where = "rows * {0} + cols".format(C) if self.out_cols == C else "rows + cols * 0"
+        where = f"rows * {C} + cols" if self.out_cols == C else "rows + cols * 0"
         lines.append(f"    tl.store(out + ({where}), tl.broadcast_to({res}, (BLOCK_R, BLOCK_C)),"
                      f" mask=rmask & (cols < {self.out_cols}))")
         self.source = PRELUDE + "\n\n" + "\n".join(lines) + "\n"
@@ -244,15 +244,11 @@ def backward(g_ptr, q_ptr, k_ptr, v_ptr, out_ptr, H, L, scale, E: tl.constexpr,
 '''
 
 
-class _Attention(kernels.Named):
-    """attention and its backward (dtensor/ops/nn.py) for (..., L, E) heads."""
+class _Attention(kernels.Attention):
+    """attention and its backward: ATTENTION's programs."""
 
-    def __init__(self, n: Node, backward: bool):
-        self.backward, self.shape, self.dtype = backward, tuple(n.shape), np.dtype(n.dtype)
-        q = n.inputs[1 if backward else 0]
-        self.L, self.E = q.shape[-2:]
-        self.H = int(np.prod(q.shape[:-2]))
-        self.scale, self.causal = float(n.params["scale"]), bool(n.params["causal"])
+    def __init__(self, n: Node):
+        super().__init__(n)
         self.block_s, self.block_e = _pow2(self.L), _pow2(self.E)
         self.block_m = max(1, min(self.block_s, (1 << 14) // self.block_s))
         self.source = PRELUDE + ATTENTION
@@ -260,7 +256,7 @@ class _Attention(kernels.Named):
 
     def __call__(self, *inputs, out=None):
         args = [as_triton_arg(np.ascontiguousarray(a)) for a in inputs]
-        out = np.empty(self.shape, self.dtype) if out is None else out
+        out = self.alloc(out)
         blocks = dict(E=self.E, CAUSAL=self.causal, BLOCK_M=self.block_m, BLOCK_S=self.block_s,
                       BLOCK_E=self.block_e)
         if self.H and self.L and self.E:
@@ -274,24 +270,18 @@ class _Attention(kernels.Named):
         return out
 
 
-class _IndexAdd(kernels.Named):
-    """index_add, the gradient of an embedding lookup (or a vocab-parallel rank's rows
-    ``off`` .. ``off + rows`` of it): row i of g added into row idx[i] - off, in order of i
-    under the interpreter."""
+class _IndexAdd(kernels.IndexAdd):
+    """index_add by atomic adds: row i of g into row idx[i] - off (in order of i under the
+    interpreter)."""
 
-    def __init__(self, shape, dtype, off: int, total_rows: int):
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.rows, self.C = self.shape[0], int(np.prod(self.shape[1:]))
-        self.off, self.total_rows = off, total_rows
+    def __init__(self, n: Node):
+        super().__init__(n)
         self.block_c = min(_pow2(self.C), 1 << 12)
         self.source = PRELUDE + INDEX_ADD
         self.mod, self.path = _load(self.source)
 
     def __call__(self, g, idx, like, out=None):
-        from dtensor.ops.structural import check_rows
-        flat = np.ascontiguousarray(check_rows(idx, self.total_rows), dtype=np.int64)
-        g = np.ascontiguousarray(g, dtype=self.dtype)
-        out = np.empty(self.shape, self.dtype) if out is None else out
+        (g, flat), out = self.rows_of(g, idx), self.alloc(out)
         out[...] = 0
         if flat.size and self.C:
             self.mod.kernel[(flat.size, -(-self.C // self.block_c))](
@@ -368,10 +358,10 @@ def _kernel_for(n: Node):
         return _AdamWGroup(n.params["sizes"]) if ok else None
     if n.name in ("attention", "attention_backward") and n.kind == "op":
         ok = n.dtype == np.float32 and all(a.dtype == n.dtype for a in arrays)
-        return _Attention(n, n.name == "attention_backward") if ok else None
+        return _Attention(n) if ok else None
     if n.name == "index_add":
         ok = n.dtype.kind == "f" and arrays[1].dtype.kind in "iu"
-        return _IndexAdd(n.shape, n.dtype, *kernels.index_add_rows(n)) if ok else None
+        return _IndexAdd(n) if ok else None
     found = kernels.members(n)
     return _Kernel(n, found) if found is not None else None
 

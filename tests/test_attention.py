@@ -10,6 +10,7 @@ from test_compile import full
 
 import dtensor
 import dtensor.nn.functional as F
+from dtensor.comm import count_collectives
 from dtensor.nn import GPT, GPTConfig, Llama, LlamaConfig
 
 GPT_CFG = dict(vocab_size=64, n_layer=2, n_embd=32, n_head=4, mlp_hidden=64, block_size=16)
@@ -31,7 +32,8 @@ def _loss(model, x, y):
 
 
 def _run(arch, kernel, backend=None, tp=1):
-    """Loss and whole gradients of one step of a model on fixed tokens."""
+    """Loss and whole gradients of one step of a model on fixed tokens, the step function and
+    the collectives the step issued (the compiled run's, not its trace's)."""
     from dtensor.parallel import parallelize
 
     model = _model(arch)
@@ -47,15 +49,18 @@ def _run(arch, kernel, backend=None, tp=1):
     x, y = (rng.integers(0, 64, (2, 16)) for _ in "xy")
     with F.sdpa_kernel(kernel):
         run = step if backend is None else dtensor.compile(step, backend=backend)
-        outs = run(x, y)
-    return float(full(outs[0])), [full(g) for g in outs[1:]], run
+        if backend is not None:
+            run(x, y)  # the trace
+        with count_collectives() as log:
+            outs = run(x, y)
+    return float(full(outs[0])), [full(g) for g in outs[1:]], run, log
 
 
 @pytest.mark.parametrize("backend", [None, "numpy", "c", "triton"])
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_flash_equals_math_in_one_process(arch, backend):
-    want_loss, want_grads, _ = _run(arch, "math")
-    loss, grads, run = _run(arch, "flash", backend)
+    want_loss, want_grads, *_ = _run(arch, "math")
+    loss, grads, run, _ = _run(arch, "flash", backend)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     for g, w in zip(grads, want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
@@ -67,11 +72,15 @@ def test_flash_equals_math_in_one_process(arch, backend):
 @pytest.mark.ranks(2, timeout=300)
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 def test_flash_at_tensor_parallel_2(arch, rank):
-    """Heads sharded over 2 ranks: the op's rule keeps them sharded (no collective for it), eager
-    and compiled C, as the one-process math path."""
-    want_loss, want_grads, _ = _run(arch, "math")
+    """Heads sharded over 2 ranks: the op's rule keeps them sharded, so the step issues exactly
+    the math path's collectives (none for attention), eager and compiled C, with the one-process
+    math path's loss and gradients."""
+    want_loss, want_grads, *_ = _run(arch, "math")
     for backend in (None, "c"):
-        loss, grads, _ = _run(arch, "flash", backend, tp=2)
+        *_, math_log = _run(arch, "math", backend, tp=2)
+        loss, grads, _, log = _run(arch, "flash", backend, tp=2)
+        assert log.summary() == math_log.summary() and log.count("all_reduce") > 0, (
+            log.summary(), math_log.summary())
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
         for g, w in zip(grads, want_grads):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from dtensor.graph import Graph, Node, Slot
+from dtensor.ops.expr import E
 from dtensor.ops.registry import OPS
 
 
@@ -60,10 +61,12 @@ def row_op(n: Node) -> bool:
     LayerNorm's g * w and the normalize backward it feeds). Not a causal softmax (its column
     limit is the whole kernel's) nor an op with one value per row (cross-entropy)."""
     op = OPS.get(n.name)
-    return (n.kind == "op" and n.variant == "impl" and op is not None and op.shard == "rowwise"
-            and op.lower is not None and not op.meta.get("per_row")
-            and not n.params.get("causal") and bool(n.shape)
-            and all(isinstance(a, Node) and a.shape == n.shape for a in n.inputs))
+    if not (n.kind == "op" and n.variant == "impl" and op is not None and op.shard == "rowwise"
+            and op.lower is not None and not op.meta.get("per_row") and bool(n.shape)
+            and all(isinstance(a, Node) and a.shape == n.shape for a in n.inputs)):
+        return False
+    leaves = [E("in", (), k) for k in range(len(n.inputs))]
+    return op.lower(*leaves, **n.params).prim != "causal"
 
 
 def random_source(n: Node) -> bool:

@@ -64,7 +64,7 @@ def plan_memory(graph: Graph) -> Graph:
         for e, off, size in busy:  # a buffer whose last reader ran before node i is free again
             (arena.free(off, size) if e < i else still.append((e, off, size)))
         busy = still
-        if n.name == "adamw_group" and _updates_in_place(n, i, graph, users):
+        if n.name == "adamw_group" and _updates_in_place(n, i, index, users):
             n.params["in_place"] = True
         if n.id in escaping or not _out_capable(n):
             continue
@@ -78,13 +78,12 @@ def plan_memory(graph: Graph) -> Graph:
     return graph
 
 
-def _updates_in_place(n: Node, i: int, graph: Graph, users: dict) -> bool:
+def _updates_in_place(n: Node, i: int, index: dict, users: dict) -> bool:
     """Whether an adamw_group may write over its parameter and moment inputs: no node reads
     them after it. Its result's parts become the parameters and moments, so from the second
     step on they are views of the last result, which the group then updates in place
     (numpy_backend.update_target) instead of making a fresh copy of every parameter and
     moment each step."""
-    index = {m.id: j for j, m in enumerate(graph.nodes)}
     state = [a for j, a in enumerate(n.inputs) if j % 4 != 1 and isinstance(a, Node)]
     return (all(a.kind == "input" for a in state)
             and all(index[u.id] <= i for a in state for u in users.get(a.id, ())))

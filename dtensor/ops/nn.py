@@ -420,7 +420,7 @@ def _attention_backward_impl(g, q, k, v, scale, causal):
     """(dq, dk, dv) stacked: ds = softmax_backward(g v^T, p), dq = ds k scale, dk = ds^T q
     scale, dv = p^T g."""
     qs, p = _attention_probs(q, k, scale, causal)
-    ds = _rowwise_new(_softmax_backward_block, matmul.impl(g, np.swapaxes(v, -1, -2)), p)
+    ds = softmax_backward.impl(matmul.impl(g, np.swapaxes(v, -1, -2)), p)
     return np.stack([np.multiply(matmul.impl(ds, k), scale),
                      matmul.impl(np.swapaxes(ds, -1, -2), qs),
                      matmul.impl(np.swapaxes(p, -1, -2), g)])

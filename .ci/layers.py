@@ -2,7 +2,8 @@
 
 The layers, bottom to top (a module may import its own layer and those below it):
 
-    0 base        placements, mesh, comm, distributed, random, and the helpers they share
+    0 base        placements, mesh, comm (and its flight recorder), distributed, random, and the
+                  helpers they share
     1 ops         ops/, autograd
     2 tensor      tensor, einsum
     3 dtensor     dtensor, redistribute, sharding, the tracer and its graph, creation
@@ -25,8 +26,8 @@ import sys
 from pathlib import Path
 
 LAYERS = [
-    ("base", ["placements", "mesh", "comm", "random", "distributed", "validate", "errors", "_flag",
-              "_threads", "_checkpoint_meta"]),
+    ("base", ["placements", "mesh", "comm", "flight", "observe", "random", "distributed",
+              "validate", "errors", "_flag", "_threads", "_checkpoint_meta"]),
     ("ops", ["ops", "autograd"]),
     ("tensor", ["tensor", "_einsum"]),
     ("dtensor", ["dtensor", "redistribute", "sharding", "tracer", "graph", "creation"]),

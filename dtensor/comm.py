@@ -28,6 +28,9 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from dtensor import flight, observe
+from dtensor.errors import CollectiveError
+
 __all__ = ["Comm", "Work", "get_world", "count_collectives", "CollectiveLog", "CollectiveEvent",
            "REDUCE_OPS", "collective_timeout"]
 
@@ -104,22 +107,37 @@ def count_collectives() -> Iterator[CollectiveLog]:
 class Work:
     """Handle of a non-blocking collective. ``wait()`` completes it and returns its result."""
 
-    __slots__ = ("_req", "_finish", "_result", "_done")
+    __slots__ = ("_req", "_finish", "_result", "_done", "_entry")
 
-    def __init__(self, req, finish: Callable[[], object]):
+    def __init__(self, req, finish: Callable[[], object], entry=None):
         self._req, self._finish, self._done, self._result = req, finish, False, None
+        self._entry = entry  # the collective's flight entry: ends when the wait does
 
     def wait(self):
         if not self._done:
             if self._req is not None:
-                self._req.Wait()
+                flight.WAITING = self._entry
+                try:
+                    self._req.Wait()
+                finally:
+                    flight.WAITING = None
             self._result = self._finish()
             self._done = True
             self._req = self._finish = None
+            if self._entry is not None:
+                _ended(self._entry)
         return self._result
 
     def is_completed(self) -> bool:
-        return self._done or self._req is None or bool(self._req.Test())
+        if not self._done and self._req is not None and self._req.Test():
+            self.wait()
+        return self._done or self._req is None
+
+
+def _ended(entry) -> None:
+    entry.end = time.time()
+    for o in observe.OBSERVERS:
+        o.on_collective(entry, True)
 
 
 def _done(value) -> Work:
@@ -148,6 +166,9 @@ _DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int8
 
 # numpy's builtin dtypes are singletons: id() tells a supported one without hashing a dtype.
 _DTYPE_IDS = frozenset(id(d) for d in _DTYPES)
+
+
+_BYTE = np.dtype(np.uint8)
 
 
 def _ready(x) -> bool:
@@ -321,6 +342,7 @@ class Comm:
         self.size: int = mpi_comm.Get_size()
         self.ranks = ranks
         self._groups: dict[tuple, Comm] = {}
+        self._seq = 0  # collectives issued on this group: the flight recorder's numbers
         _mpi()  # the collectives read _MPI (IN_PLACE) without a call
         self._check = os.environ.get("DTENSOR_COMM_CHECK", "0") not in ("0", "")
 
@@ -328,11 +350,40 @@ class Comm:
         return f"Comm(rank={self.rank}, size={self.size}, ranks={list(self.ranks)})"
 
     # -- bookkeeping
-    def _record(self, kind: str, nbytes: int, dtype) -> None:
-        if _logs.active:
+    def _record(self, kind: str, shape, nbytes: int, dtype) -> flight.Entry:
+        """Start a collective: its flight entry (the debug counter's event, the observers'
+        call). Finished by _blocking, or by its Work's wait."""
+        self._seq += 1
+        e = flight.Entry(self._seq, kind, self.ranks, tuple(shape), str(dtype), int(nbytes),
+                         flight.user_site(3), dict(observe.CAUSE) if observe.CAUSE else None)
+        flight.RING.append(e)
+        if self.size > 1 and flight.watchdog is None:
+            flight.start_watchdog()
+        if _LOGGING and _logs.active and kind != "recv":  # a send and its recv: one message
             ev = CollectiveEvent(kind, self.ranks, int(nbytes), str(np.dtype(dtype)))
             for log in _logs.active:
                 log.events.append(ev)
+        for o in observe.OBSERVERS:
+            o.on_collective(e, False)
+        return e
+
+    @staticmethod
+    def _blocking(entry: flight.Entry, call, *args, **kwargs):
+        """A blocking MPI call of the collective ``entry``, seen by the watchdog while it waits."""
+        flight.WAITING = entry
+        try:
+            return call(*args, **kwargs)
+        except _MPI.Exception as exc:
+            raise CollectiveError(
+                f"MPI failed {flight.describe(entry.as_dict())}: "
+                f"{_MPI.Get_error_string(exc.Get_error_class())}"
+                + (" -- the ranks passed buffers of different sizes to this collective (a shape "
+                   "mismatch): every rank must pass the same shape and dtype (for uneven "
+                   "gathers and scatters, pass sizes=[...])." if exc.Get_error_class()
+                   == _MPI.ERR_TRUNCATE else "")) from None
+        finally:
+            flight.WAITING = None
+            _ended(entry)
 
     @staticmethod
     def _op(op: str, dtype):
@@ -382,15 +433,14 @@ class Comm:
         mpi_op = self._op(op, dtype)
         if self._check:
             self._agree("all_reduce", (str(dtype), x.shape, op))
-        if _LOGGING:
-            self._record("all_reduce", x.nbytes, dtype)
+        e = self._record("all_reduce", x.shape, x.nbytes, dtype)
         if out is x:
             send = _MPI.IN_PLACE
         else:
             send, out = x, _out(out, x.shape, dtype, "all_reduce")
         if async_op:
-            return Work(self._c.Iallreduce(send, out, op=mpi_op), lambda: self._avg(out, op))
-        self._c.Allreduce(send, out, op=mpi_op)
+            return Work(self._c.Iallreduce(send, out, op=mpi_op), lambda: self._avg(out, op), e)
+        self._blocking(e, self._c.Allreduce, send, out, op=mpi_op)
         return self._avg(out, op)
 
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None,
@@ -419,23 +469,23 @@ class Comm:
             x = _axis_first(x, axis, out, "all_gather")
             shape = x.shape
         out = _out(out, (total,) + shape[1:], dtype, "all_gather")
-        if _LOGGING:
-            self._record("all_gather", out.nbytes, dtype)
+        e = self._record("all_gather", x.shape, out.nbytes, dtype)
         # Equal sizes take Allgather: MPICH's Allgatherv algorithms are several times slower.
         if even:
-            req = (self._c.Iallgather if async_op else self._c.Allgather)(x, out)
+            call, args = (self._c.Iallgather if async_op else self._c.Allgather), (x, out)
         else:
             row = math.prod(shape[1:])
             counts = [s * row for s in sizes]
             spec = [out, (counts, np.cumsum([0] + counts[:-1]).tolist())]
-            req = (self._c.Iallgatherv if async_op else self._c.Allgatherv)(x, spec)
+            call, args = (self._c.Iallgatherv if async_op else self._c.Allgatherv), (x, spec)
+        req = call(*args) if async_op else self._blocking(e, call, *args)
         if not axis:
-            return Work(req, lambda: out) if async_op else out
+            return Work(req, lambda: out, e) if async_op else out
 
         def finish():
             return np.ascontiguousarray(np.moveaxis(out, 0, axis))
 
-        return Work(req, finish) if async_op else finish()
+        return Work(req, finish, e) if async_op else finish()
 
     def reduce_scatter(self, x, op: str = "sum", axis: int = 0,
                        sizes: Sequence[int] | None = None, async_op: bool = False,
@@ -465,19 +515,19 @@ class Comm:
             mine, even = sizes[self.rank], len(set(sizes)) == 1
         if self._check:
             self._agree("reduce_scatter", (str(dtype), shape, op))
-        if _LOGGING:
-            self._record("reduce_scatter", x.nbytes, dtype)
+        e = self._record("reduce_scatter", x.shape, x.nbytes, dtype)
         if axis:
             x = _axis_first(x, axis, out, "reduce_scatter")
             shape = x.shape
         out = _out(out, (mine,) + shape[1:], dtype, "reduce_scatter")
         if even:
             call = self._c.Ireduce_scatter_block if async_op else self._c.Reduce_scatter_block
-            req = call(x, out, op=mpi_op)
+            args = (x, out)
         else:
             row = math.prod(shape[1:])
             call = self._c.Ireduce_scatter if async_op else self._c.Reduce_scatter
-            req = call(x, out, [s * row for s in sizes], op=mpi_op)
+            args = (x, out, [s * row for s in sizes])
+        req = call(*args, op=mpi_op) if async_op else self._blocking(e, call, *args, op=mpi_op)
         if not (async_op or axis):
             return self._avg(out, op)
 
@@ -485,7 +535,7 @@ class Comm:
             res = self._avg(out, op)
             return np.ascontiguousarray(np.moveaxis(res, 0, axis)) if axis else res
 
-        return Work(req, finish) if async_op else finish()
+        return Work(req, finish, e) if async_op else finish()
 
     def all_to_all(self, x, split_axis: int, concat_axis: int,
                    split_sizes: Sequence[int] | None = None,
@@ -510,7 +560,7 @@ class Comm:
         self._check_sizes("all_to_all", concat_sizes, x.shape[concat_axis])
         if self._check:
             self._agree("all_to_all", (str(x.dtype), x.ndim, split_sizes))
-        self._record("all_to_all", x.nbytes, x.dtype)
+        e = self._record("all_to_all", x.shape, x.nbytes, x.dtype)
         starts = np.cumsum([0] + split_sizes).tolist()
         blocks = [np.take(x, range(starts[j], starts[j + 1]), axis=split_axis)
                   for j in range(self.size)]
@@ -534,8 +584,8 @@ class Comm:
             return np.concatenate(parts, axis=concat_axis)
 
         if async_op:
-            return Work(self._c.Ialltoallv(sendspec, recvspec), finish)
-        self._c.Alltoallv(sendspec, recvspec)
+            return Work(self._c.Ialltoallv(sendspec, recvspec), finish, e)
+        self._blocking(e, self._c.Alltoallv, sendspec, recvspec)
         return finish()
 
     def broadcast(self, x, src: int = 0, async_op: bool = False):
@@ -544,21 +594,21 @@ class Comm:
         x = _contig(x)
         if self._check:
             self._agree("broadcast", (str(x.dtype), x.shape))
-        self._record("broadcast", x.nbytes, x.dtype)
+        e = self._record("broadcast", x.shape, x.nbytes, x.dtype)
         out = x.copy()
         if async_op:
-            return Work(self._c.Ibcast(out, root=src), lambda: out)
-        self._c.Bcast(out, root=src)
+            return Work(self._c.Ibcast(out, root=src), lambda: out, e)
+        self._blocking(e, self._c.Bcast, out, root=src)
         return out
 
     def send(self, x, dst: int, tag: int = 0, async_op: bool = False):
         """Send ``x`` to rank ``dst`` (the receiver calls ``recv`` with a same-shaped buffer)."""
         self._check_rank("send", dst)
         x = _contig(x)
-        self._record("send", x.nbytes, x.dtype)
+        e = self._record("send", x.shape, x.nbytes, x.dtype)
         if async_op:
-            return Work(self._c.Isend(x, dest=dst, tag=tag), lambda: None)
-        self._c.Send(x, dest=dst, tag=tag)
+            return Work(self._c.Isend(x, dest=dst, tag=tag), lambda: None, e)
+        self._blocking(e, self._c.Send, x, dest=dst, tag=tag)
         return None
 
     def recv(self, out: np.ndarray, src: int, tag: int = 0, async_op: bool = False):
@@ -566,16 +616,17 @@ class Comm:
         self._check_rank("recv", src)
         if not (isinstance(out, np.ndarray) and out.flags.c_contiguous and out.flags.writeable):
             raise TypeError("recv needs a writeable C-contiguous numpy array to receive into.")
+        e = self._record("recv", out.shape, out.nbytes, out.dtype)
         if async_op:
-            return Work(self._c.Irecv(out, source=src, tag=tag), lambda: out)
-        self._c.Recv(out, source=src, tag=tag)
+            return Work(self._c.Irecv(out, source=src, tag=tag), lambda: out, e)
+        self._blocking(e, self._c.Recv, out, source=src, tag=tag)
         return out
 
     def barrier(self, async_op: bool = False):
-        self._record("barrier", 0, np.uint8)
+        e = self._record("barrier", (), 0, _BYTE)
         if async_op:
-            return Work(self._c.Ibarrier(), lambda: None)
-        self._c.Barrier()
+            return Work(self._c.Ibarrier(), lambda: None, e)
+        self._blocking(e, self._c.Barrier)
         return None
 
     # -- agreement: collective entry points that take user metadata, and blocks that may fail
@@ -748,5 +799,10 @@ def get_world() -> Comm:
     if _world is None:
         MPI = _mpi()
         c = MPI.COMM_WORLD
+        # An error in a collective (a truncated message: mismatched shapes) raises on the rank
+        # that saw it, naming the call, instead of MPICH aborting with its own error stack.
+        c.Set_errhandler(MPI.ERRORS_RETURN)
         _world = Comm(c, tuple(range(c.Get_size())))
+        if _world.size > 1:  # a rank stuck before its first collective is reported too
+            flight.start_watchdog()
     return _world

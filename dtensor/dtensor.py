@@ -584,8 +584,37 @@ def randn(*shape, dtype=None, device_mesh: DeviceMesh, placements, requires_grad
 
 
 def visualize_sharding(dt: DTensor, header: str = "") -> str:
-    """A text picture of which ranks hold which block of a 1-d or 2-d DTensor (printed on the
-    first rank of the mesh, returned on every rank)."""
+    """A text picture of which ranks hold which block of a 1-d or 2-d DTensor: one line per
+    block, then a grid like ``jax.debug.visualize_array_sharding`` (printed on the first rank
+    of the mesh, returned on every rank).
+
+    Args:
+        dt: the DTensor to draw.
+        header: a first line to print above the picture.
+    Returns:
+        The text printed. The grid cuts the tensor where any rank's range starts or ends; each
+        cell names the ranks holding it, its size and, for a Partial placement, ``P(op)`` (the
+        cell's values are the reduction of the ranks' local values). A strided dim's block is
+        several cells. Column ranges head the grid, row ranges sit on its left.
+
+    Example (under ``dtlaunch --nproc 4``):
+        >>> mesh = dtensor.init_device_mesh("cpu", (2, 2))
+        >>> dtensor.visualize_sharding(distribute_tensor(np.zeros((4, 6)), mesh,
+        ...                                              [Shard(0), Shard(1)]))
+        (4, 6) [S(0), S(1)] on DeviceMesh('cpu', [[0, 1], [2, 3]])
+          [0:2, 0:3] -> ranks [0]
+          [0:2, 3:6] -> ranks [1]
+          [2:4, 0:3] -> ranks [2]
+          [2:4, 3:6] -> ranks [3]
+                0:3   3:6
+              +-----+-----+
+          0:2 |  0  |  1  |
+              | 2x3 | 2x3 |
+              +-----+-----+
+          2:4 |  2  |  3  |
+              | 2x3 | 2x3 |
+              +-----+-----+
+    """
     if dt.ndim not in (1, 2):
         raise ValueError(f"visualize_sharding draws 1-d and 2-d tensors, got {dt.ndim}-d.")
     mesh = dt.device_mesh
@@ -601,7 +630,67 @@ def visualize_sharding(dt: DTensor, header: str = "") -> str:
     for rng, ranks in sorted(blocks.items()):
         where = ", ".join("+".join(f"{a}:{b}" for a, b in r) or "-" for r in rng)
         lines.append(f"  [{where}] -> ranks {ranks}")
+    lines += _draw_sharding_grid(dt)
     text = "\n".join(lines)
     if mesh.get_rank() == int(mesh.mesh.reshape(-1)[0]):
         print(text, flush=True)
     return text
+
+
+def _sharding_grid(dt: DTensor) -> tuple[list, dict, list]:
+    """The grid visualize_sharding draws: (cut points per tensor dim, {cell: sorted ranks},
+    ranks whose block is empty). A cut is wherever any rank's range starts or ends, so every
+    rank's block (each piece of it, for a strided dim) is a union of whole cells; a cell is its
+    interval index per dim."""
+    mesh, spec = dt.device_mesh, dt._spec
+    held = []  # (rank, its ranges per tensor dim)
+    for coord in np.ndindex(*mesh.shape):
+        idx = local_indices(spec.shape, spec.placements, mesh.shape, list(coord))
+        held.append((int(mesh.mesh[coord]), [[(g, g + n) for _, g, n in index_runs(i) if n]
+                                              for i in idx]))
+    cuts = [sorted({e for _, rng in held for r in rng[d] for e in r}) for d in range(dt.ndim)]
+    cells: dict = {}
+    empty = sorted(rank for rank, rng in held if not all(rng))
+    if any(len(c) < 2 for c in cuts):  # an empty tensor: no cells
+        return cuts, cells, empty
+    for rank, rng in sorted(held):
+        inside = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
+        inside[np.ix_(*[[k for a, b in rng[d]
+                         for k in range(cuts[d].index(a), cuts[d].index(b))]
+                        for d in range(dt.ndim)])] = True
+        for cell in zip(*np.nonzero(inside)):
+            cells.setdefault(tuple(int(k) for k in cell), []).append(rank)
+    return cuts, cells, empty
+
+
+def _draw_sharding_grid(dt: DTensor) -> list[str]:
+    """_sharding_grid as ASCII boxes, one row of cells for a 1-d tensor. Every cell reads
+    ranks / size [/ P(op)] top to bottom; a column is as wide as its widest label."""
+    cuts, cells, empty = _sharding_grid(dt)
+    if not cells:
+        return ["  (no grid: the tensor is empty)"]
+    span = [[f"{a}:{b}" for a, b in zip(c, c[1:])] for c in cuts]
+    cols, rows = span[-1], (span[0] if dt.ndim == 2 else [""])
+    partial = ",".join(dict.fromkeys(repr(p) for p in dt.placements if isinstance(p, Partial)))
+
+    def label(i: int, j: int) -> list[str]:
+        cell = (i, j) if dt.ndim == 2 else (j,)
+        size = "x".join(str(cuts[d][k + 1] - cuts[d][k]) for d, k in enumerate(cell))
+        return [",".join(map(str, cells.get(cell, []))) or "-", size] + [partial] * bool(partial)
+
+    labels = [[label(i, j) for j in range(len(cols))] for i in range(len(rows))]
+    width = [2 + max(len(cols[j]), *(len(s) for row in labels for s in row[j]))
+             for j in range(len(cols))]
+    margin = max(len(r) for r in rows) + 1 if dt.ndim == 2 else 0
+    border = " " * margin + "+" + "+".join("-" * w for w in width) + "+"
+    out = [(" " * (margin + 1) + " ".join(c.center(w) for c, w in zip(cols, width))).rstrip(),
+           border]
+    middle = (len(labels[0][0]) - 1) // 2  # the label line the row's range sits on
+    for i, row in enumerate(labels):
+        for k in range(len(row[0])):
+            left = (rows[i] if k == middle else "").ljust(margin)
+            out.append(left + "|" + "|".join(c[k].center(w) for c, w in zip(row, width)) + "|")
+        out.append(border)
+    if empty:
+        out.append(f"(ranks {empty} hold empty blocks)")
+    return ["  " + line for line in out]

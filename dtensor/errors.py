@@ -9,7 +9,7 @@ import importlib.util
 import os
 import traceback
 
-__all__ = ["OWN_DIRS", "TracingError", "user_line"]
+__all__ = ["OWN_DIRS", "CollectiveError", "TracingError", "user_line"]
 
 
 def _own_dirs() -> tuple:
@@ -32,6 +32,10 @@ OWN_DIRS = _own_dirs()
 
 class TracingError(RuntimeError):
     """The traced function did something a graph cannot hold."""
+
+
+class CollectiveError(RuntimeError):
+    """MPI failed a collective: most often the ranks passed buffers of different sizes."""
 
 
 def user_line() -> str:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dtensor import observe
 from dtensor.ops import registry
 from dtensor.placements import (Partial, Placement, Replicate, Shard, StridedShard,
                                 check_strided_alone, shard_size_and_offset, strided_indices)
@@ -281,7 +282,16 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
     _debug(f"redistribute {tuple(spec.shape)} {spec.dtype}: {list(spec.placements)} -> "
            f"{list(placements)} ({int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize} "
            f"bytes)")
-    for i, st in enumerate(steps):
-        # the arrays between steps are this function's own: a reduction may overwrite them
-        local = run_step(local, st, spec.mesh, donate=donate or i > 0)
+    # what the flight recorder and the debug tools say caused these collectives
+    observe.CAUSE["placements"] = f"{_text(spec.placements)} -> {_text(placements)}"
+    try:
+        for i, st in enumerate(steps):
+            # the arrays between steps are this function's own: a reduction may overwrite them
+            local = run_step(local, st, spec.mesh, donate=donate or i > 0)
+    finally:
+        del observe.CAUSE["placements"]
     return local
+
+
+def _text(placements) -> str:
+    return "[" + ", ".join(map(repr, placements)) + "]"

@@ -59,7 +59,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dtensor.flight import ENV_FLIGHT, REQUEST
 from dtensor.launcher.bootstrap import ENV_HANG, available_cores
+from dtensor.launcher.hang import diagnose
 from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
 
 TIMEOUT_EXIT = 124  # as coreutils' timeout(1)
@@ -73,6 +75,8 @@ DEFAULT_HANG = 30.0
 # A normal end has hydra's proxy exit a moment before mpiexec; a proxy gone this long while
 # mpiexec still runs was killed.
 CHILD_GONE_S = 2.0
+# After a flight-recorder request, how long the ranks get to write their reports.
+FLIGHT_WAIT_S = 5.0
 # torchrun's rendezvous options: each torchrun meets the others through them; here mpiexec
 # starts and connects every rank, so they have nothing to set (--node_rank is checked instead).
 IGNORED_TORCHRUN = ("--master_addr", "--master_port", "--rdzv_backend", "--rdzv_endpoint",
@@ -279,9 +283,35 @@ class _Watch:
         self.first_done_at: float | None = None
         self.waits = StuckWatch(job)
         self.deadlock = StuckWatch(job)
+        self.status = 1  # the exit status of the job that check() reports
+        self.asked_at: float | None = None
 
     def check(self) -> str | None:
-        return self._lost_child() or self._left_waiting() or self._deadlocked()
+        return (self._hang_report() or self._lost_child() or self._left_waiting()
+                or self._deadlocked())
+
+    def ask(self) -> None:
+        """SIGUSR1 to dtlaunch: every rank dumps its flight recorder, then the job ends."""
+        path = self.job.path(REQUEST)
+        if not os.path.exists(path):
+            with open(path, "w") as f:
+                f.write('{"rank": null, "why": "SIGUSR1 to dtlaunch"}')
+
+    def _hang_report(self) -> str | None:
+        """A rank's watchdog fired (or ask()): once every rank has written its flight report,
+        or FLIGHT_WAIT_S later, the diagnosis (launcher/hang.py)."""
+        if not os.path.exists(self.job.path(REQUEST)):
+            return None
+        now = time.monotonic()
+        self.asked_at = self.asked_at or now
+        reports, done = self.job.records("flight"), self.job.records("done")
+        silent = [r for r in range(self.job.nproc) if r not in reports and r not in done]
+        if silent and now - self.asked_at < FLIGHT_WAIT_S:
+            return None
+        stacks = ({r: s for r, s in self.job.dump_stacks().items() if r in silent}
+                  if silent else {})
+        self.status = TIMEOUT_EXIT
+        return diagnose(reports, sorted(done), stacks, self.status)
 
     def _lost_child(self) -> str | None:
         if not self.children:  # hydra starts them once, at once
@@ -412,13 +442,24 @@ def _wait(job: MpiJob, timeout: float | None, watch: _Watch) -> tuple[int, str |
         except subprocess.TimeoutExpired:
             report = watch.check()
             if report is not None:
-                return 1, report
+                return watch.status, report
 
 
 def _run(job: MpiJob, timeout: float | None, grace: float, hang: float) -> int:
-    proc = job.proc
-    assert proc is not None, "start the job first"
+    assert job.proc is not None, "start the job first"
     watch = _Watch(job, grace, hang)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = (signal.signal(signal.SIGUSR1, lambda signum, frame: watch.ask())
+                if in_main_thread else None)
+    try:
+        return _outcome(job, timeout, watch)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGUSR1, previous)
+
+
+def _outcome(job: MpiJob, timeout: float | None, watch: _Watch) -> int:
+    proc = job.proc
     try:
         status, report = _wait(job, timeout, watch)
     except subprocess.TimeoutExpired:
@@ -499,7 +540,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     job = MpiJob(size.nproc, ["-m"] * opts.module + [opts.script, *opts.args], mpiexec=mpiexec,
                  hostfile=opts.hostfile, per_node=size.per_node, prefix=not opts.no_prefix,
-                 env={ENV_HANG: "1" if hang < float("inf") else "0"})
+                 env={ENV_HANG: "1" if hang < float("inf") else "0", ENV_FLIGHT: "1"})
     try:
         job.start(stdin=stdin)
         return _run(job, opts.timeout, grace, hang)

@@ -1,0 +1,119 @@
+"""dtlaunch's hang report: one diagnosis from every rank's flight recorder (dtensor/flight.py).
+
+A rank's report holds the collective its main thread waits in (or none), its last collectives
+(sequence number on their group, kind, shape, dtype, the user's source line, the cause) and
+its Python stack. The diagnosis names the collective the job is stuck in (the waiting entry
+that started first), which ranks of its group wait there, which never arrived (where each one's
+last collective on that group was, and its stack now), and ranks that reached the same place
+in the group's sequence with a different call: a mismatch.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dtensor.flight import describe
+
+
+def _ranks(rs) -> str:
+    rs = sorted(rs)
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}"
+
+
+def _call(e: Mapping[str, Any]) -> tuple:
+    return e["kind"], tuple(e["shape"]), e["dtype"]
+
+
+def _last_on(report: Mapping[str, Any], group: tuple) -> dict | None:
+    for e in reversed(report["ring"]):
+        if tuple(e["group"]) == group:
+            return e
+    return None
+
+
+def _indent(text: str) -> str:
+    return "".join(f"    {line}\n" for line in text.rstrip("\n").split("\n"))
+
+
+def diagnose(reports: Mapping[int, Mapping[str, Any]], done: list[int],
+             stacks: Mapping[int, str], status: int) -> str:
+    """The text dtlaunch prints, ending with its ``job failed`` line.
+
+    Args:
+        reports: each answering rank's flight report (``rank{r}.flight``), by rank.
+        done: the ranks whose script had ended.
+        stacks: Python stacks of ranks that wrote no report (from faulthandler), by rank.
+        status: the exit status the job ends with.
+    """
+    why = next((r["why"] for r in reports.values() if r["why"] != "asked by dtlaunch"),
+               "asked by dtlaunch (SIGUSR1)")
+    lines = [f"dtlaunch: flight recorder: {why}; every rank's last collectives follow\n"]
+    waiting = {r: rep["waiting"] for r, rep in reports.items() if rep["waiting"]}
+    if not waiting:
+        lines.append("dtlaunch: no rank waits in a collective; Python stacks:\n")
+        lines += [f"--- rank {r} ---\n{_indent(rep['stack'])}" for r, rep in sorted(
+            reports.items())]
+        lines += [f"--- rank {r} ---\n{s}" for r, s in sorted(stacks.items())]
+        lines.append(f"dtlaunch: job ended on request with no collective waiting; exit status "
+                     f"{status}\n")
+        return "".join(lines)
+    # the group of the wait that began first; in it, the place most of its ranks wait at
+    group = tuple(waiting[min(waiting, key=lambda r: waiting[r]["start"])]["group"])
+    on_group = [r for r in group if r in waiting and tuple(waiting[r]["group"]) == group]
+    seqs = [waiting[r]["seq"] for r in on_group]
+    seq = max(sorted(set(seqs)), key=seqs.count)
+    here = [r for r in on_group if waiting[r]["seq"] == seq]
+    calls: dict[tuple, list[int]] = {}
+    for r in here:
+        calls.setdefault(_call(waiting[r]), []).append(r)
+    # the call most of them make is the one the others mismatch
+    stuck = waiting[max(calls.values(), key=len)[0]]
+    lines.append(f"dtlaunch: {_ranks(calls[_call(stuck)])} waiting in {describe(stuck)}\n")
+    problems = []
+    for call, rs in calls.items():
+        if call != _call(stuck):
+            e = waiting[rs[0]]
+            lines.append(f"dtlaunch: mismatch: {_ranks(rs)} called {describe(e)} as the same "
+                         f"collective #{e['seq']} of the group\n")
+            problems.append(f"mismatched collective #{stuck['seq']}: {_ranks(rs)} in "
+                            f"{call[0]} {call[1]} at {e['site']}")
+    for r in sorted(set(group) - set(here)):
+        rep = reports.get(r)
+        if rep is None and r in done:
+            lines.append(f"dtlaunch: rank {r} never arrived: its script had ended\n")
+            problems.append(f"rank {r} never arrived (its script had ended)")
+            continue
+        if rep is None:
+            lines.append(f"dtlaunch: rank {r} never arrived and wrote no flight report; its "
+                         f"Python stack:\n" + stacks.get(r, "    (none)\n"))
+            problems.append(f"rank {r} never arrived")
+            continue
+        last = _last_on(rep, group)
+        before = (f"its last collective on this group was {describe(last)}"
+                  + ("" if last["end"] else " (not finished)") if last
+                  else "it issued no collective on this group")
+        mine = rep["waiting"]
+        if mine is not None and tuple(mine["group"]) == group:
+            lines.append(f"dtlaunch: rank {r} is at a different place in the group's sequence: "
+                         f"it waits in {describe(mine)}\n")
+            problems.append(f"rank {r} in {mine['kind']} #{mine['seq']} at {mine['site']}")
+        elif mine is not None:
+            lines.append(f"dtlaunch: rank {r} never arrived: it waits in another group's "
+                         f"{describe(mine)}; {before}\n")
+            problems.append(f"rank {r} never arrived (waits in {mine['kind']} on ranks "
+                            f"{list(mine['group'])} at {mine['site']})")
+        else:
+            lines.append(f"dtlaunch: rank {r} never arrived: {before}; it is now at:\n"
+                         f"{_indent(rep['stack'])}")
+            problems.append(f"rank {r} never arrived")
+    lines.append("dtlaunch: each rank's last collectives, oldest first:\n")
+    for r, rep in sorted(reports.items()):
+        lines.append(f"--- rank {r} ({rep['host']}, pid {rep['pid']}) ---\n")
+        lines += [f"    {describe(e)}{'' if e['end'] else '  (waiting)'}\n" for e in rep["ring"]]
+    lines.append("dtlaunch: every rank must issue the same collectives in the same order (same "
+                 "operation, shape and dtype): look for a collective under a rank-dependent "
+                 "`if`, a rank that returns early, or ranks taking different paths\n")
+    summary = "; ".join(problems) or "all its ranks are there (a slow transfer?)"
+    lines.append(f"dtlaunch: job failed: hang in {stuck['kind']} #{stuck['seq']} at "
+                 f"{stuck['site']}: {summary}; exit status {status}\n")
+    return "".join(lines)

@@ -31,7 +31,7 @@ LAYERS = [
     ("ops", ["ops", "autograd"]),
     ("tensor", ["tensor", "_einsum"]),
     ("dtensor", ["dtensor", "redistribute", "sharding", "tracer", "graph", "creation"]),
-    ("nn/optim", ["nn", "optim"]),
+    ("nn/optim", ["nn", "optim", "debug", "profiler"]),
     ("parallel", ["parallel", "checkpoint"]),
     ("compile", ["compile"]),
     ("launcher", ["launcher", "testing"]),

@@ -27,6 +27,7 @@ import warnings
 
 import numpy as np
 
+from dtensor import debug
 from dtensor.compile import guards, numpy_backend, passes
 from dtensor.tensor import Tensor, TensorMethods
 from dtensor.tracer import Traced, Tracer, TracingError
@@ -277,7 +278,8 @@ def _trace(fn, env: _Env, args, kwargs):
             return out
         return a
 
-    with tracer, _patched_slots(tracer):
+    # module paths on, so each collective of the graph keeps its module (dtensor.debug)
+    with tracer, _patched_slots(tracer), debug.tracking():
         try:
             for i, p in enumerate(env.params):
                 traced_input(f"param{i}", p, lambda a, k, _p=p: _data(_p))

@@ -18,6 +18,7 @@ import types
 
 import numpy as np
 
+from dtensor import observe
 from dtensor.compile import cache
 from dtensor.compile import kernels as kernels_layer
 from dtensor.graph import KERNEL_KINDS, Graph, Node, Slot
@@ -40,8 +41,9 @@ def runner(n: Node, kernels: dict):
         if n.name == "all_reduce_bucket":
             return functools.partial(collectives.bucket_start, group=mesh.get_group(dim))
         args = tuple((k, v) for k, v in n.params.items() if k not in ("mesh_dim", "donate"))
-        return functools.partial(run_step, step=Step(n.name, dim, args, n.specs[1].placements),
-                                 mesh=mesh, donate=n.params.get("donate", False))
+        run = functools.partial(run_step, step=Step(n.name, dim, args, n.specs[1].placements),
+                                mesh=mesh, donate=n.params.get("donate", False))
+        return _caused(run, n.cause) if n.cause else run
     if n.name in ("fused", "fused_rows"):
         return GroupKernel(n, kernels_layer.members(n))
     compiler_ops = {"adamw_group": adamw_group, "adamw_part": fusion.adamw_part,
@@ -52,6 +54,20 @@ def runner(n: Node, kernels: dict):
     if n.variant == "impl":
         return op.impl
     return functools.partial(op.local, in_blocks=n.blocks[0], out_block=n.blocks[1])
+
+
+def _caused(run, cause: dict):
+    """``run`` reporting the cause its collective was traced under (module, op, placements)
+    to the flight recorder and the debugging tools (dtensor/observe.py)."""
+    def caused(*args, **kwargs):
+        saved = dict(observe.CAUSE)
+        observe.CAUSE.update(cause)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            observe.CAUSE.clear()
+            observe.CAUSE.update(saved)
+    return caused
 
 
 def generate(graph: Graph, name: str, kernels: dict) -> tuple[str, dict]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import weakref
 
+from dtensor import observe
 from dtensor._flag import Flag
 
 __all__ = ["no_grad", "enable_grad", "is_grad_enabled", "backward", "grad", "Deferred",
@@ -73,12 +74,15 @@ def _refill(inputs) -> None:
 class Node:
     """How a tensor was made: the op, its inputs (kept alive for the vjp) and its params."""
 
-    __slots__ = ("op", "inputs", "params")
+    __slots__ = ("op", "inputs", "params", "where")
 
-    def __init__(self, op, inputs, params):
+    def __init__(self, op, inputs, params, where=None):
         self.op = op
         self.inputs = inputs
         self.params = params
+        # the module path whose forward made it, kept while a debugging tool listens
+        # (dtensor/debug.py): its backward's collectives and spans are that module's
+        self.where = where
 
     def __repr__(self) -> str:
         return f"<Node {self.op.name}>"
@@ -138,6 +142,7 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
     taken: set = {id(grad)}
     outer, _backward.callbacks = _backward.callbacks, []
     late = []  # (leaf, Deferred gradient)
+    before = observe.CAUSE.get("module"), observe.CAUSE.get("phase")
     try:
         with no_grad():
             _walk(root, grads, retain_graph, accumulate_into_leaves, wanted_ids, found, taken,
@@ -148,6 +153,8 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
                 _accumulate(t, g.wait(), taken)
     finally:
         _backward.callbacks = outer
+        if observe.TRACKING:
+            observe.where(*before)
     return {k: _resolved(g) for k, g in found.items()}
 
 
@@ -164,6 +171,9 @@ def _walk(root, grads, retain_graph, accumulate_into_leaves, wanted_ids, found, 
         if id(t) in wanted_ids:
             found[id(t)] = g
         node = t._node
+        if observe.TRACKING:  # a parameter's gradient reduction is its module's
+            observe.where(node.where if node is not None else observe.OWNERS.get(id(t)),
+                          "backward")
         if node is None:
             if accumulate_into_leaves:
                 if isinstance(g, Deferred):

@@ -50,6 +50,9 @@ class Node:
     blocks: tuple | None = None  # (input Blocks, output Block) of a "local" op
     # (input specs, output spec) of a DTensor op or a collective: mesh, placements, shape
     specs: tuple | None = None
+    # a collective's cause when traced (module, phase, op, rule, placements: dtensor/observe.py),
+    # what the debugging tools report for it at run time
+    cause: dict | None = None
 
     def __repr__(self) -> str:
         return f"%{self.id}"
@@ -83,10 +86,10 @@ class Graph:
     _next: int = 0
 
     def new(self, kind: str, name: str, inputs=(), params=None, shape=(), dtype=None,
-            variant: str = "impl", blocks=None, specs=None) -> Node:
+            variant: str = "impl", blocks=None, specs=None, cause=None) -> Node:
         node = Node(self._next, kind, name, list(inputs), dict(params or {}), tuple(shape),
                     np.dtype(dtype) if dtype is not None else None, None, variant, blocks,
-                    specs)
+                    specs, cause)
         self._next += 1
         (self.inputs if kind == "input" else self.nodes).append(node)
         return node

@@ -9,19 +9,25 @@ module: the observers swap their hooks in on entry and out on exit (debug.py, pr
 """
 from __future__ import annotations
 
-__all__ = ["CAUSE", "OBSERVERS", "listening", "cause"]
+__all__ = ["CAUSE", "OBSERVERS", "OWNERS", "TRACKING", "where"]
 
 # module: "GPT.h.0.attn" (the module path), phase: "forward" | "backward",
 # op / rule: the op and sharding rule that redistributed, placements: "[S(0)] -> [R]".
 CAUSE: dict = {}
-OBSERVERS: list = []  # objects with on_collective(entry, done: bool)
+OBSERVERS: list = []  # objects with on_collective(entry, done: bool), maybe on_where
+TRACKING = False  # the hooks that keep CAUSE's module are in (dtensor/debug.py)
+OWNERS: dict = {}  # id(parameter) -> the path of the module that holds it, while listening
 
 
-def listening() -> bool:
-    return bool(OBSERVERS)
-
-
-def cause() -> dict | None:
-    """A copy of CAUSE for a collective's entry (None when nobody listens: the flight recorder
-    alone keeps no cause, so the dispatch path never has to set it)."""
-    return dict(CAUSE) if OBSERVERS else None
+def where(module: str | None, phase: str | None) -> None:
+    """The work from now on is ``module``'s ``phase`` ("forward" or "backward"; None: outside
+    any module); observers with an ``on_where`` (the profiler's module spans) are told."""
+    for key, value in (("module", module), ("phase", phase)):
+        if value is None:
+            CAUSE.pop(key, None)
+        else:
+            CAUSE[key] = value
+    for o in OBSERVERS:
+        hook = getattr(o, "on_where", None)
+        if hook is not None:
+            hook(module, phase)

@@ -277,14 +277,15 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
     steps = plan_redistribute(spec, tuple(placements))
     if not steps:
         return local
-    if registry._trace is not None and type(local) is not np.ndarray:
-        return registry._trace.comm(local, spec, steps)
-    _debug(f"redistribute {tuple(spec.shape)} {spec.dtype}: {list(spec.placements)} -> "
-           f"{list(placements)} ({int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize} "
-           f"bytes)")
-    # what the flight recorder and the debug tools say caused these collectives
+    # what the flight recorder and the debug tools say caused these collectives (a traced
+    # graph's collectives keep it too)
     observe.CAUSE["placements"] = f"{_text(spec.placements)} -> {_text(placements)}"
     try:
+        if registry._trace is not None and type(local) is not np.ndarray:
+            return registry._trace.comm(local, spec, steps)
+        _debug(f"redistribute {tuple(spec.shape)} {spec.dtype}: {list(spec.placements)} -> "
+               f"{list(placements)} ({int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize}"
+               f" bytes)")
         for i, st in enumerate(steps):
             # the arrays between steps are this function's own: a reduction may overwrite them
             local = run_step(local, st, spec.mesh, donate=donate or i > 0)

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from dtensor import observe
 from dtensor.errors import TracingError, user_line
 from dtensor.graph import Graph, Node, Slot
 
@@ -220,6 +221,7 @@ class Tracer:
             out = replace(spec, placements=st.after)
             node = self.graph.new(
                 "comm", st.kind, [node], {"mesh_dim": st.mesh_dim, **dict(st.params)},
-                _local_block(out)[0], spec.dtype, specs=((before,), out))
+                _local_block(out)[0], spec.dtype, specs=((before,), out),
+                cause=dict(observe.CAUSE))
             before = out
         return Traced(node)

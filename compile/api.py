@@ -27,7 +27,7 @@ import warnings
 
 import numpy as np
 
-from dtensor import debug
+from dtensor import debug, observe
 from dtensor.compile import guards, numpy_backend, passes
 from dtensor.tensor import Tensor, TensorMethods
 from dtensor.tracer import Traced, Tracer, TracingError
@@ -224,7 +224,13 @@ class _Entry:
             arena = np.empty(self.graph.arena_bytes, np.uint8)
             self.buffers = [np.ndarray(shape, dtype, buffer=arena, offset=off)
                             for shape, dtype, off in self.graph.buffers]
-        outs = self.run_fn(inputs, slots, self.tables["F"], self.tables["K"], self.buffers)
+        profile = observe.SPANS
+        if profile is None:
+            outs = self.run_fn(inputs, slots, self.tables["F"], self.tables["K"], self.buffers)
+        else:  # a span for each node, and one for the whole graph
+            with profile.span(f"compiled {os.path.basename(self.path)}", "compiled"):
+                outs = self.run_fn(inputs, slots, profile.table(self), self.tables["K"],
+                                   self.buffers)
         values = []
         for wb, arr in zip(self.writebacks, outs):
             if wb.kind == "result":

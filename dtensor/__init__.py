@@ -66,7 +66,8 @@ from dtensor.placements import Partial, Replicate, Shard, StridedShard  # noqa: 
 
 # Documented subpackages reachable as attributes after ``import dtensor``, loaded on first use.
 # ``compile`` is the callable module dtensor.compile (compile/ in the repository).
-_SUBMODULES = ("checkpoint", "comm", "compile", "distributed", "launcher", "parallel")
+_SUBMODULES = ("checkpoint", "comm", "compile", "debug", "distributed", "launcher", "parallel",
+               "profiler")
 
 
 def __getattr__(name):
@@ -84,3 +85,8 @@ def __getattr__(name):
         from dtensor import mesh as _mesh
         return getattr(_mesh, name)
     raise AttributeError(f"module 'dtensor' has no attribute {name!r}")
+
+
+if os.environ.get("DTENSOR_TRACE"):  # dtlaunch --trace DIR: the whole job's timeline
+    from dtensor import profiler as _profiler
+    _profiler.start_from_env()

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from dtensor import observe
+
 __all__ = ["Node", "Graph", "Slot"]
 
 
@@ -50,8 +52,8 @@ class Node:
     blocks: tuple | None = None  # (input Blocks, output Block) of a "local" op
     # (input specs, output spec) of a DTensor op or a collective: mesh, placements, shape
     specs: tuple | None = None
-    # a collective's cause when traced (module, phase, op, rule, placements: dtensor/observe.py),
-    # what the debugging tools report for it at run time
+    # what it was traced under (dtensor/observe.py): a collective's module, phase, op, rule and
+    # placements, another node's module and phase; what the debugging tools report at run time
     cause: dict | None = None
 
     def __repr__(self) -> str:
@@ -87,6 +89,8 @@ class Graph:
 
     def new(self, kind: str, name: str, inputs=(), params=None, shape=(), dtype=None,
             variant: str = "impl", blocks=None, specs=None, cause=None) -> Node:
+        if cause is None and observe.TRACKING and kind != "input":  # the module it came from
+            cause = {k: observe.CAUSE[k] for k in ("module", "phase") if k in observe.CAUSE}
         node = Node(self._next, kind, name, list(inputs), dict(params or {}), tuple(shape),
                     np.dtype(dtype) if dtype is not None else None, None, variant, blocks,
                     specs, cause)

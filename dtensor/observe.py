@@ -1,20 +1,23 @@
 """What the debugging tools see: the cause of the work being done now, and who listens.
 
-The layers above keep ``CAUSE`` up to date only while an observer listens (CommDebugMode,
-the profiler): the module whose forward (or backward) runs, the op whose sharding rule asked
-for a redistribute, and its placements before and after. comm.py copies it into every
-collective's flight entry and hands the entry to each observer in ``OBSERVERS`` when the
-collective starts and ends. With nobody listening nothing on the dispatch path reads this
-module: the observers swap their hooks in on entry and out on exit (debug.py, profiler.py).
+``CAUSE`` says what the collectives issued now are for. A redistribute always sets its
+``placements`` (cheap: a collective follows); the module path and phase, and the op and
+sharding rule, are kept only while hooks are in (``TRACKING``: CommDebugMode, the profiler, or
+compile's tracing, see dtensor/debug.py), which swap themselves into Module.__call__,
+autograd.record and the DTensor interpreter, so that with no tool open nothing of this runs on
+the dispatch path. comm.py copies CAUSE into each collective's flight entry
+(dtensor/flight.py) and hands the entry to each of ``OBSERVERS`` when the collective starts
+and when it ends.
 """
 from __future__ import annotations
 
-__all__ = ["CAUSE", "OBSERVERS", "OWNERS", "TRACKING", "where"]
+__all__ = ["CAUSE", "OBSERVERS", "OWNERS", "SPANS", "TRACKING", "where"]
 
 # module: "GPT.h.0.attn" (the module path), phase: "forward" | "backward",
 # op / rule: the op and sharding rule that redistributed, placements: "[S(0)] -> [R]".
 CAUSE: dict = {}
 OBSERVERS: list = []  # objects with on_collective(entry, done: bool), maybe on_where
+SPANS = None  # the open dtensor.profiler.profile: a compiled graph times its nodes through it
 TRACKING = False  # the hooks that keep CAUSE's module are in (dtensor/debug.py)
 OWNERS: dict = {}  # id(parameter) -> the path of the module that holds it, while listening
 

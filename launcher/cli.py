@@ -97,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="number of ranks in all (default: one per usable core of this host)")
     p.add_argument("--hostfile", help="hydra hostfile (one 'host[:slots]' per line)")
     p.add_argument("--timeout", type=float, help="seconds before the job is dumped and killed")
+    p.add_argument("--trace", metavar="DIR",
+                   help="write a Chrome trace of every rank to DIR/trace.json (dtensor.profiler)")
     p.add_argument("--mpiexec", help="mpiexec to use (default: the mpich wheel's)")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix lines with [rankN]")
     p.add_argument("-m", "--module", action="store_true",
@@ -540,10 +542,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     job = MpiJob(size.nproc, ["-m"] * opts.module + [opts.script, *opts.args], mpiexec=mpiexec,
                  hostfile=opts.hostfile, per_node=size.per_node, prefix=not opts.no_prefix,
-                 env={ENV_HANG: "1" if hang < float("inf") else "0", ENV_FLIGHT: "1"})
+                 env={ENV_HANG: "1" if hang < float("inf") else "0", ENV_FLIGHT: "1",
+                      **({"DTENSOR_TRACE": os.path.abspath(opts.trace)} if opts.trace else {})})
     try:
         job.start(stdin=stdin)
-        return _run(job, opts.timeout, grace, hang)
+        status = _run(job, opts.timeout, grace, hang)
+        trace = os.path.join(os.path.abspath(opts.trace), "trace.json") if opts.trace else None
+        if trace and os.path.exists(trace):
+            print(f"dtlaunch: every rank's timeline is in {trace} (open it in Perfetto; "
+                  f"python -m dtensor.profiler summary {trace})", file=sys.stderr)
+        return status
     finally:
         job.close()
         if in_main_thread:

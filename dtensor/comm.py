@@ -135,7 +135,7 @@ class Work:
 
 
 def _ended(entry) -> None:
-    entry.end = time.time()
+    flight.ended(entry)
     for o in observe.OBSERVERS:
         o.on_collective(entry, True)
 
@@ -356,7 +356,7 @@ class Comm:
         self._seq += 1
         e = flight.Entry(self._seq, kind, self.ranks, tuple(shape), str(dtype), int(nbytes),
                          flight.user_site(3), dict(observe.CAUSE) if observe.CAUSE else None)
-        flight.RING.append(e)
+        flight.record(e)
         if self.size > 1 and flight.watchdog is None:
             flight.start_watchdog()
         if _LOGGING and _logs.active and kind != "recv":  # a send and its recv: one message
@@ -372,9 +372,9 @@ class Comm:
         """A blocking MPI call of the collective ``entry``, seen by the watchdog while it waits."""
         flight.WAITING = entry
         try:
-            return call(*args, **kwargs)
-        except _MPI.Exception as exc:
-            raise CollectiveError(
+            out = call(*args, **kwargs)
+        except _MPI.Exception as exc:  # left unfinished in the rings: dtlaunch's post-mortem
+            raise CollectiveError(     # compares it with the other ranks' calls
                 f"MPI failed {flight.describe(entry.as_dict())}: "
                 f"{_MPI.Get_error_string(exc.Get_error_class())}"
                 + (" -- the ranks passed buffers of different sizes to this collective (a shape "
@@ -383,7 +383,8 @@ class Comm:
                    == _MPI.ERR_TRUNCATE else "")) from None
         finally:
             flight.WAITING = None
-            _ended(entry)
+        _ended(entry)
+        return out
 
     @staticmethod
     def _op(op: str, dtype):

@@ -37,15 +37,91 @@ class Entry:
     """One collective of this rank (see the module doc)."""
 
     __slots__ = ("seq", "kind", "group", "shape", "dtype", "bytes", "site", "cause", "start",
-                 "end")
+                 "end", "slot")
+    FIELDS = __slots__[:-1]
 
     def __init__(self, seq, kind, group, shape, dtype, nbytes, site, cause):
         self.seq, self.kind, self.group, self.shape = seq, kind, group, shape
         self.dtype, self.bytes, self.site, self.cause = dtype, nbytes, site, cause
-        self.start, self.end = time.time(), None
+        self.start, self.end, self.slot = time.time(), None, 0
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+
+def record(e: Entry) -> None:
+    """A collective starts (comm.py): into the ring, and under dtlaunch onto the rank's disk
+    ring too."""
+    global _count
+    RING.append(e)
+    if _disk is None:
+        _open_disk()
+    if _disk:
+        e.slot = _count % SLOTS
+        _count += 1
+        _persist(e)
+
+
+def ended(e: Entry) -> None:
+    e.end = time.time()
+    if _disk:
+        _persist(e)
+
+
+# The disk ring: ``rank{r}.ring`` in dtlaunch's launch directory, memory-mapped, holds this
+# rank's last SLOTS collectives, one line each, written as they start and end. It outlives
+# the process: when MPI aborts a rank from inside a collective (MPICH does so for some
+# mismatched sizes, with no Python left to run), dtlaunch still reads which call it was in,
+# and what the other ranks called at that place (launcher/hang.py's post_mortem).
+SLOTS, SLOT = 8, 512
+_disk = None  # the mmap; False: none (not under dtlaunch)
+_count = 0
+
+
+def _open_disk() -> None:
+    global _disk
+    where = _launch_dir()
+    if where is None:
+        _disk = False
+        return
+    import mmap
+    path = os.path.join(where, f"rank{os.environ.get('RANK', '0')}.ring")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, SLOTS * SLOT)
+        _disk = mmap.mmap(fd, SLOTS * SLOT)
+    finally:
+        os.close(fd)
+
+
+def _persist(e: Entry) -> None:
+    placements = (e.cause or {}).get("placements") or ""
+    line = (f"{e.seq}\t{e.kind}\t{','.join(map(str, e.group))}\t"
+            f"{','.join(map(str, e.shape))}\t{e.dtype}\t{e.bytes}\t{e.site}\t{placements}\t"
+            f"{e.start!r}\t{'' if e.end is None else repr(e.end)}\n").encode()[:SLOT]
+    _disk[e.slot * SLOT:(e.slot + 1) * SLOT] = line.ljust(SLOT, b"\0")
+
+
+def read_disk_ring(path: str) -> list[dict]:
+    """A rank's disk ring as entries (as_dict's keys), oldest first; [] if there is none."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return []
+    out = []
+    for i in range(0, len(data), SLOT):
+        text = data[i:i + SLOT].rstrip(b"\0").decode(errors="replace")
+        parts = text.rstrip("\n").split("\t")
+        if len(parts) != 10:
+            continue
+        seq, kind, group, shape, dtype, nbytes, site, placements, start, end = parts
+        out.append({"seq": int(seq), "kind": kind, "group": [int(r) for r in group.split(",")],
+                    "shape": [int(n) for n in shape.split(",") if n], "dtype": dtype,
+                    "bytes": int(nbytes), "site": site,
+                    "cause": {"placements": placements} if placements else None,
+                    "start": float(start), "end": float(end) if end else None})
+    return sorted(out, key=lambda e: e["start"])
 
 
 RING: collections.deque = collections.deque(maxlen=max(1, int(os.environ.get("DTENSOR_FLIGHT_N",

@@ -59,9 +59,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dtensor.flight import ENV_FLIGHT, REQUEST
+from dtensor.flight import ENV_FLIGHT, REQUEST, read_disk_ring
 from dtensor.launcher.bootstrap import ENV_HANG, available_cores
-from dtensor.launcher.hang import diagnose
+from dtensor.launcher.hang import diagnose, post_mortem
 from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
 
 TIMEOUT_EXIT = 124  # as coreutils' timeout(1)
@@ -489,8 +489,13 @@ def _outcome(job: MpiJob, timeout: float | None, watch: _Watch) -> int:
         return status
     failures = job.failures()
     lost = watch.lost_child_report(status) if status > 0 else None
+    # where each rank was, if the job ended inside a collective (from the ranks' disk rings)
+    inside = post_mortem({r: read_disk_ring(job.path(f"rank{r}.ring"))
+                          for r in range(job.nproc)}, status) if status else None
     if failures:
         status = status or 1
+        if inside is not None and inside[1] is not None:  # a mismatch: name every rank's call
+            sys.stderr.write(inside[0])
         sys.stderr.write(failure_summary(failures, status))
     elif lost is not None:  # mpiexec may notice the ranks it lost once they exit, or not
         sys.stderr.write(lost)
@@ -498,8 +503,11 @@ def _outcome(job: MpiJob, timeout: float | None, watch: _Watch) -> int:
         sys.stderr.write(f"dtlaunch: mpiexec was killed by signal {-status}\n")
         status = 128 - status
     elif status != 0:
-        sys.stderr.write(f"dtlaunch: job failed with exit status {status} (a rank exited early or "
-                         "was killed; see mpiexec's message above)\n")
+        if inside is not None:
+            sys.stderr.write(inside[0])
+        sys.stderr.write(inside[1] if inside is not None and inside[1] is not None else
+                         f"dtlaunch: job failed with exit status {status} (a rank exited early "
+                         "or was killed; see mpiexec's message above)\n")
     return status
 
 

@@ -117,3 +117,39 @@ def diagnose(reports: Mapping[int, Mapping[str, Any]], done: list[int],
     lines.append(f"dtlaunch: job failed: hang in {stuck['kind']} #{stuck['seq']} at "
                  f"{stuck['site']}: {summary}; exit status {status}\n")
     return "".join(lines)
+
+
+def post_mortem(rings: Mapping[int, list], status: int) -> tuple[str, str | None] | None:
+    """For a job that ended while ranks were inside collectives (MPICH aborts a rank on some
+    mismatched sizes): which collective each rank was in, from their disk rings
+    (dtensor/flight.py), and what every rank of that group called at the same place.
+
+    Returns None if no rank was inside one, else (the report, its ``job failed`` line if the
+    ranks' calls differ, else None)."""
+    inside = {r: e for r, ring in rings.items() for e in ring[-1:] if e["end"] is None}
+    if not inside:
+        return None
+    lines = ["dtlaunch: flight recorder: when the job ended, "
+             + ", ".join(f"rank {r} was inside {describe(e)}" for r, e in sorted(inside.items()))
+             + "\n"]
+    problems = []
+    for key in dict.fromkeys((tuple(e["group"]), e["seq"]) for e in inside.values()):
+        calls: dict[tuple, list] = {}
+        for r in key[0]:
+            e = next((e for e in rings.get(r, ()) if (tuple(e["group"]), e["seq"]) == key), None)
+            if e is not None:
+                calls.setdefault(_call(e), []).append((r, e))
+        if len(calls) > 1:
+            for call, held in calls.items():
+                lines.append(f"dtlaunch: at collective #{key[1]} of ranks {list(key[0])}, "
+                             f"{_ranks([r for r, _ in held])} called {describe(held[0][1])}\n")
+            problems.append(f"ranks called different collectives or shapes at #{key[1]} of "
+                            f"ranks {list(key[0])}: " + "; ".join(
+                                f"{_ranks([r for r, _ in held])} {call[0]} {call[1]} at "
+                                f"{held[0][1]['site']}" for call, held in calls.items()))
+    if not problems:
+        return "".join(lines), None
+    lines.append("dtlaunch: every rank must pass the same shape and dtype to a collective (for "
+                 "uneven gathers and scatters, pass sizes=[...])\n")
+    return "".join(lines), (f"dtlaunch: job failed: mismatched collective: "
+                            f"{'; '.join(problems)}; exit status {status}\n")

@@ -107,7 +107,40 @@ def test_a_planted_hang_ends_soon_after_the_watchdog_naming_call_line_and_rank(
     assert_no_orphans(script)
 
 
-def test_an_mpi_error_in_a_collective_is_a_collective_error_naming_the_call() -> None:
+@pytest.mark.parametrize("call, shapes", [
+    ("w.all_gather(np.ones((2 if w.rank == 1 else 3, 4), np.float32))", ("(3, 4)", "(2, 4)")),
+    ("w.all_reduce(np.ones(100000 if w.rank == 1 else 1000, np.float32))",
+     ("(1000,)", "(100000,)")),
+    ("w.reduce_scatter(np.ones((8 if w.rank == 1 else 16, 4), np.float32))",
+     ("(16, 4)", "(8, 4)")),
+])
+def test_a_planted_shape_mismatch_names_every_rank_s_call_and_line(
+        tmp_path: Path, call: str, shapes: tuple) -> None:
+    """MPI ends these itself (a truncated message), before any watchdog: as a CollectiveError
+    on the rank that saw it, or by aborting that rank from inside MPI (MPICH chooses by its
+    algorithm for the sizes). Either way the ranks' disk rings tell dtlaunch who called what."""
+    source = f"""
+        import numpy as np
+        from dtensor.comm import get_world
+
+        w = get_world()
+        w.barrier()
+        {call}  # CALL
+    """
+    status, out, seconds, script = dtlaunch(tmp_path, source, "--nproc", "4",
+                                            env={"DTENSOR_WATCHDOG_S": str(WATCHDOG)})
+    site = f"at {script}:{line_of(source, '# CALL')}"
+    kind = call.split("(")[0].split(".")[1]
+    assert status != 0 and seconds < START + 15, (status, seconds, out)
+    assert f"ranks [0, 2, 3] called {kind} #2 {shapes[0]} float32 on ranks [0, 1, 2, 3] " \
+        f"{site}" in out, out
+    assert f"rank 1 called {kind} #2 {shapes[1]} float32 on ranks [0, 1, 2, 3] {site}" in out, out
+    assert "same shape and dtype" in out, out
+    assert_no_orphans(script)
+
+
+@pytest.mark.ranks(2, timeout=60)
+def test_an_mpi_error_in_a_collective_is_a_collective_error_naming_the_call(rank) -> None:
     """MPI returns some mismatches (a truncated message) as an error, and aborts on others on
     its own (which ones depends on MPICH's algorithm for the sizes): the ones it returns are
     raised naming the call and the fix."""
@@ -126,10 +159,10 @@ def test_an_mpi_error_in_a_collective_is_a_collective_error_naming_the_call() ->
         raise MPI.Exception(MPI.ERR_TRUNCATE)
 
     with pytest.raises(CollectiveError, match=r"MPI failed all_gather #\d+ \(2, 4\) float32 on "
-                       r"ranks \[0\] at .*test_flight.py:\d+: Message truncated -- .*shape "
+                       r"ranks \[0, 1\] at .*test_flight.py:\d+: Message truncated -- .*shape "
                        r"mismatch"):
         Comm._blocking(entry, truncated)
-    assert entry.end is not None
+    assert entry.end is None  # a failed collective stays unfinished in the ring
 
 
 def test_sigusr1_to_dtlaunch_dumps_every_rank_and_ends_the_job(tmp_path: Path) -> None:

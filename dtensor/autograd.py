@@ -142,7 +142,8 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
     taken: set = {id(grad)}
     outer, _backward.callbacks = _backward.callbacks, []
     late = []  # (leaf, Deferred gradient)
-    before = observe.CAUSE.get("module"), observe.CAUSE.get("phase")
+    before = (observe.CAUSE.get("module"), observe.CAUSE.get("phase"),
+              observe.CAUSE.get("op"))
     try:
         with no_grad():
             _walk(root, grads, retain_graph, accumulate_into_leaves, wanted_ids, found, taken,
@@ -154,7 +155,8 @@ def _run(root, grad, retain_graph: bool, accumulate_into_leaves: bool, wanted=()
     finally:
         _backward.callbacks = outer
         if observe.TRACKING:
-            observe.where(*before)
+            observe.where(*before[:2])
+            observe.CAUSE["op"] = before[2]
     return {k: _resolved(g) for k, g in found.items()}
 
 
@@ -174,6 +176,7 @@ def _walk(root, grads, retain_graph, accumulate_into_leaves, wanted_ids, found, 
         if observe.TRACKING:  # a parameter's gradient reduction is its module's
             observe.where(node.where if node is not None else observe.OWNERS.get(id(t)),
                           "backward")
+            observe.CAUSE["op"] = node.op.name if node is not None else None
         if node is None:
             if accumulate_into_leaves:
                 if isinstance(g, Deferred):

@@ -164,10 +164,12 @@ class CommDebugMode:
         if done or entry.kind == "recv":  # counted once, as count_collectives() does
             return
         c = entry.cause or {}
+        # a redistribute outside any op (a parallel wrapper's, a gradient's reduction) is its
+        # own op: every DTensor collective comes with its placements
+        op = c.get("op") or ("redistribute" if c.get("placements") else None)
         self.events.append(CommEvent(entry.kind, entry.bytes, tuple(entry.group),
-                                     c.get("module") or "Global", c.get("phase") or "-",
-                                     c.get("op"), c.get("rule"), c.get("placements"),
-                                     entry.site))
+                                     c.get("module") or "Global", c.get("phase") or "-", op,
+                                     c.get("rule"), c.get("placements"), entry.site))
 
     # -- PyTorch's queries
     def get_total_counts(self) -> int:

@@ -170,7 +170,9 @@ def start_watchdog() -> None:
     global watchdog
     if watchdog is not None:
         return
-    watchdog = threading.Thread(target=_watch_loop, name="dtensor-flight", daemon=True)
+    limit = watchdog_seconds()  # a bad value raises here, in the caller's thread
+    watchdog = threading.Thread(target=_watch_loop, args=(limit,), name="dtensor-flight",
+                                daemon=True)
     watchdog.start()
 
 
@@ -200,8 +202,7 @@ def _write(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _watch_loop() -> None:
-    limit = watchdog_seconds()
+def _watch_loop(limit: float) -> None:
     where = _launch_dir()
     rank = int(os.environ.get("RANK", "0"))
     dumped = False

@@ -9,6 +9,7 @@ in the group's sequence with a different call: a mismatch.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,9 +46,12 @@ def diagnose(reports: Mapping[int, Mapping[str, Any]], done: list[int],
         stacks: Python stacks of ranks that wrote no report (from faulthandler), by rank.
         status: the exit status the job ends with.
     """
-    why = next((r["why"] for r in reports.values() if r["why"] != "asked by dtlaunch"),
-               "asked by dtlaunch (SIGUSR1)")
-    lines = [f"dtlaunch: flight recorder: {why}; every rank's last collectives follow\n"]
+    fired = sorted((r for r in reports.values() if r["why"] != "asked by dtlaunch"),
+                   key=lambda r: r["time"])
+    why = (f"rank {fired[0]['rank']} {fired[0]['why']}; diagnosed "
+           f"{time.time() - fired[0]['time']:.1f} s later" if fired
+           else "asked by dtlaunch (SIGUSR1)")
+    lines = [f"dtlaunch: flight recorder: {why}\n"]
     waiting = {r: rep["waiting"] for r, rep in reports.items() if rep["waiting"]}
     if not waiting:
         lines.append("dtlaunch: no rank waits in a collective; Python stacks:\n")

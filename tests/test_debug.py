@@ -155,7 +155,7 @@ def test_each_event_names_op_rule_placements_and_line_and_the_hooks_come_out(ran
     first, second = outer.events
     assert (first.op, first.rule, first.placements, first.module, first.phase) == (
         "matmul", "matmul", "[S(0)] -> [R]", "Global", "-")
-    assert second.op is None and second.placements == "[S(0)] -> [R]"
+    assert second.op == "redistribute" and second.placements == "[S(0)] -> [R]"
     assert first.site.endswith(f"test_debug.py:{_line('(a @ b).full_tensor()')}")
     assert (Module.__call__, dtensor.autograd.record) == plain
     assert not observe.OBSERVERS and not observe.TRACKING and "op" not in observe.CAUSE

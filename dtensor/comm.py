@@ -354,7 +354,7 @@ class Comm:
         """Start a collective: its flight entry (the debug counter's event, the observers'
         call). Finished by _blocking, or by its Work's wait."""
         self._seq += 1
-        e = flight.Entry(self._seq, kind, self.ranks, tuple(shape), str(dtype), int(nbytes),
+        e = flight.Entry(self._seq, kind, self.ranks, tuple(shape), dtype, int(nbytes),
                          flight.user_site(3), dict(observe.CAUSE) if observe.CAUSE else None)
         flight.record(e)
         if self.size > 1 and flight.watchdog is None:

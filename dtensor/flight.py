@@ -15,6 +15,7 @@ and exits with status 124.
 """
 from __future__ import annotations
 
+import ast
 import collections
 import json
 import os
@@ -46,7 +47,20 @@ class Entry:
         self.start, self.end, self.slot = time.time(), None, 0
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.FIELDS}
+        d = {k: getattr(self, k) for k in self.FIELDS}
+        d["dtype"] = _name(self.dtype)
+        return d
+
+
+_NAMES: dict = {}
+
+
+def _name(dtype) -> str:
+    """A dtype's name, cached: numpy's str(dtype) runs Python code (microseconds)."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype)
+    return name
 
 
 def record(e: Entry) -> None:
@@ -65,7 +79,7 @@ def record(e: Entry) -> None:
 def ended(e: Entry) -> None:
     e.end = time.time()
     if _disk:
-        _persist(e)
+        _disk[e.slot * SLOT] = _DONE  # the line's first byte: R(unning) -> D(one)
 
 
 # The disk ring: ``rank{r}.ring`` in dtlaunch's launch directory, memory-mapped, holds this
@@ -74,6 +88,7 @@ def ended(e: Entry) -> None:
 # mismatched sizes, with no Python left to run), dtlaunch still reads which call it was in,
 # and what the other ranks called at that place (launcher/hang.py's post_mortem).
 SLOTS, SLOT = 8, 512
+_DONE = ord("D")
 _disk = None  # the mmap; False: none (not under dtlaunch)
 _count = 0
 
@@ -94,12 +109,20 @@ def _open_disk() -> None:
         os.close(fd)
 
 
+_LINES: dict = {}  # what a collective's line holds besides its number and time, encoded
+
+
 def _persist(e: Entry) -> None:
     placements = (e.cause or {}).get("placements") or ""
-    line = (f"{e.seq}\t{e.kind}\t{','.join(map(str, e.group))}\t"
-            f"{','.join(map(str, e.shape))}\t{e.dtype}\t{e.bytes}\t{e.site}\t{placements}\t"
-            f"{e.start!r}\t{'' if e.end is None else repr(e.end)}\n").encode()[:SLOT]
-    _disk[e.slot * SLOT:(e.slot + 1) * SLOT] = line.ljust(SLOT, b"\0")
+    key = (e.kind, e.group, e.shape, e.dtype, e.bytes, e.site, placements)
+    body = _LINES.get(key)
+    if body is None:  # a training loop repeats its collectives: made once each
+        if len(_LINES) > 4096:
+            _LINES.clear()
+        body = _LINES[key] = (f"{e.kind}\t{e.group}\t{e.shape}\t{_name(e.dtype)}\t{e.bytes}\t"
+                              f"{e.site}\t{placements}\t").encode()[:SLOT - 64]
+    line = b"R\t%d\t%s%r\n\0" % (e.seq, body, e.start)
+    _disk[e.slot * SLOT:e.slot * SLOT + len(line)] = line
 
 
 def read_disk_ring(path: str) -> list[dict]:
@@ -111,16 +134,16 @@ def read_disk_ring(path: str) -> list[dict]:
         return []
     out = []
     for i in range(0, len(data), SLOT):
-        text = data[i:i + SLOT].rstrip(b"\0").decode(errors="replace")
+        text = data[i:i + SLOT].split(b"\0", 1)[0].decode(errors="replace")
         parts = text.rstrip("\n").split("\t")
         if len(parts) != 10:
             continue
-        seq, kind, group, shape, dtype, nbytes, site, placements, start, end = parts
-        out.append({"seq": int(seq), "kind": kind, "group": [int(r) for r in group.split(",")],
-                    "shape": [int(n) for n in shape.split(",") if n], "dtype": dtype,
+        state, seq, kind, group, shape, dtype, nbytes, site, placements, start = parts
+        out.append({"seq": int(seq), "kind": kind, "group": list(ast.literal_eval(group)),
+                    "shape": list(ast.literal_eval(shape)), "dtype": dtype,
                     "bytes": int(nbytes), "site": site,
                     "cause": {"placements": placements} if placements else None,
-                    "start": float(start), "end": float(end) if end else None})
+                    "start": float(start), "end": float(start) if state == "D" else None})
     return sorted(out, key=lambda e: e["start"])
 
 

@@ -148,7 +148,7 @@ class profile:
         if start is None:
             return
         c = entry.cause or {}
-        args = {"bytes": entry.bytes, "shape": list(entry.shape), "dtype": entry.dtype,
+        args = {"bytes": entry.bytes, "shape": list(entry.shape), "dtype": str(entry.dtype),
                 "group": list(entry.group), "seq": entry.seq, "site": entry.site,
                 **{k: v for k, v in c.items() if v}}
         self._spans.append((entry.kind, "collective", start, time.perf_counter(), args))

@@ -279,6 +279,7 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
         return local
     # what the flight recorder and the debug tools say caused these collectives (a traced
     # graph's collectives keep it too)
+    outer = observe.CAUSE.get("placements")
     observe.CAUSE["placements"] = f"{_text(spec.placements)} -> {_text(placements)}"
     try:
         if registry._trace is not None and type(local) is not np.ndarray:
@@ -290,7 +291,10 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
             # the arrays between steps are this function's own: a reduction may overwrite them
             local = run_step(local, st, spec.mesh, donate=donate or i > 0)
     finally:
-        del observe.CAUSE["placements"]
+        if outer is None:
+            del observe.CAUSE["placements"]
+        else:
+            observe.CAUSE["placements"] = outer
     return local
 
 

@@ -7,7 +7,7 @@ The layers, bottom to top (a module may import its own layer and those below it)
     1 ops         ops/, autograd
     2 tensor      tensor, einsum
     3 dtensor     dtensor, redistribute, sharding, the tracer and its graph, creation
-    4 nn/optim    nn/, optim/
+    4 nn/optim    nn/, optim/, debug (CommDebugMode), profiler
     5 parallel    parallel/, checkpoint
     6 compile     compile/ (dtensor.compile)
     7 launcher    launcher/ (dtensor.launcher), testing/ (its pytest plugin starts ranks)

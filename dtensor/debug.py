@@ -185,20 +185,18 @@ class CommDebugMode:
     def get_comm_module_counts(self) -> dict[str, dict[str, dict[str, int]]]:
         """module path -> phase -> kind -> count, counting each module's descendants too
         (a block's row holds its attention's and MLP's collectives)."""
-        out: dict = {}
-        for e in self.events:
-            for path in _ancestors(e.module):
-                kinds = out.setdefault(path, {}).setdefault(e.phase, {})
-                kinds[e.kind] = kinds.get(e.kind, 0) + 1
-        return out
+        return self._by_module(lambda e: 1)
 
     def get_comm_module_bytes(self) -> dict[str, dict[str, dict[str, int]]]:
         """As get_comm_module_counts, in bytes."""
+        return self._by_module(lambda e: e.bytes)
+
+    def _by_module(self, value) -> dict:
         out: dict = {}
         for e in self.events:
             for path in _ancestors(e.module):
                 kinds = out.setdefault(path, {}).setdefault(e.phase, {})
-                kinds[e.kind] = kinds.get(e.kind, 0) + e.bytes
+                kinds[e.kind] = kinds.get(e.kind, 0) + value(e)
         return out
 
     def table(self, ops: bool = False) -> str:

@@ -7,6 +7,8 @@ mesh by name reuses them.
 """
 from __future__ import annotations
 
+import socket
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -171,6 +173,11 @@ class DeviceMesh:
         names = self.mesh_dim_names or tuple(str(i) for i in range(self.ndim))
         return "(" + ", ".join(f"{n}={s}" for n, s in zip(names, self.shape)) + ")"
 
+    def hosts(self) -> np.ndarray:
+        """The host of each rank of the mesh, laid out as ``self.mesh`` (host names)."""
+        names = rank_hosts()
+        return np.array([names[r] for r in self.mesh.reshape(-1)]).reshape(self.mesh.shape)
+
     def size(self, mesh_dim: int | str | None = None) -> int:
         return self.mesh.size if mesh_dim is None else self.mesh.shape[self._dim(mesh_dim)]
 
@@ -253,5 +260,43 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     world.check_same("init_device_mesh", "Build the mesh with the same arguments on every rank.",
                      error=error, device_type=device_type, mesh_shape=mesh_shape,
                      mesh_dim_names=mesh_dim_names)
-    return DeviceMesh(device_type, np.arange(world.size).reshape(shape),
-                      mesh_dim_names=mesh_dim_names)
+    # Host-major: each host's ranks together, so the last (innermost) dim's groups, tensor
+    # parallelism's, stay inside one host when its size allows; on one host: 0, 1, 2, ...
+    hosts = rank_hosts()
+    first = {h: i for i, h in reversed(list(enumerate(hosts)))}
+    order = sorted(range(world.size), key=lambda r: (first[hosts[r]], r))
+    mesh = np.array(order).reshape(shape)
+    _warn_if_split(mesh, hosts, mesh_dim_names)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names)
+
+
+_HOSTS: list | None = None
+
+
+def rank_hosts() -> list[str]:
+    """Every rank's host name, by global rank (one allgather, on first use)."""
+    global _HOSTS
+    if _HOSTS is None:
+        world = get_world()
+        name = socket.gethostname()
+        _HOSTS = [name] if world.size == 1 else list(world._c.allgather(name))
+    return _HOSTS
+
+
+def _warn_if_split(mesh: np.ndarray, hosts: list[str], names) -> None:
+    """Warn when a group of the innermost dim spans hosts, naming a size that would not."""
+    if mesh.ndim < 2 or len(set(hosts)) < 2:
+        return
+    groups = mesh.reshape(-1, mesh.shape[-1])
+    split = [g.tolist() for g in groups if len({hosts[r] for r in g}) > 1]
+    if not split:
+        return
+    per_host = min(hosts.count(h) for h in set(hosts))
+    fits = [k for k in range(per_host, 0, -1) if per_host % k == 0 and mesh.size % k == 0]
+    dim = repr(names[-1]) if names else f"dim {mesh.ndim - 1}"
+    warnings.warn(
+        f"init_device_mesh: the groups of mesh {dim} (size {mesh.shape[-1]}) span hosts, e.g. "
+        f"ranks {split[0]} on {sorted({hosts[r] for r in split[0]})}: its collectives (tensor "
+        f"parallelism's, if that dim is 'tp') cross the network on every layer. With "
+        f"{per_host} ranks on the smallest host, a last dim of size {fits[0]} keeps each group "
+        f"inside one host, e.g. mesh_shape {(mesh.size // fits[0], fits[0])}.", stacklevel=3)

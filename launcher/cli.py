@@ -96,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", "-n", type=int,
                    help="number of ranks in all (default: one per usable core of this host)")
     p.add_argument("--hostfile", help="hydra hostfile (one 'host[:slots]' per line)")
+    c = p.add_argument_group("reaching the hosts (hydra's options, passed through)")
+    c.add_argument("--launcher", help="how hydra starts its proxy on each host (ssh, rsh, slurm, "
+                   "pbs, ...; hydra's -launcher)")
+    c.add_argument("--launcher-exec", help="the program it runs for that (hydra's "
+                   "-launcher-exec), e.g. a particular ssh")
+    c.add_argument("--iface", help="network interface for MPI's control traffic (hydra's -iface)")
     p.add_argument("--timeout", type=float, help="seconds before the job is dumped and killed")
     p.add_argument("--trace", metavar="DIR",
                    help="write a Chrome trace of every rank to DIR/trace.json (dtensor.profiler)")
@@ -191,6 +197,16 @@ def _hosts(hostfile: str) -> list[str]:
             if host and host not in hosts:
                 hosts.append(host)
     return hosts
+
+
+def _hydra_options(opts: argparse.Namespace) -> list[str]:
+    """--launcher, --launcher-exec and --iface as hydra spells them."""
+    out = []
+    for flag, value in (("-launcher", opts.launcher), ("-launcher-exec", opts.launcher_exec),
+                        ("-iface", opts.iface)):
+        if value is not None:
+            out += [flag, value]
+    return out
 
 
 @dataclass(frozen=True)
@@ -550,6 +566,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main_thread else None
     job = MpiJob(size.nproc, ["-m"] * opts.module + [opts.script, *opts.args], mpiexec=mpiexec,
                  hostfile=opts.hostfile, per_node=size.per_node, prefix=not opts.no_prefix,
+                 launcher=_hydra_options(opts),
+                 hosts=opts.hostfile is not None and len(_hosts(opts.hostfile)) > 1,
                  env={ENV_HANG: "1" if hang < float("inf") else "0", ENV_FLIGHT: "1",
                       **({"DTENSOR_TRACE": os.path.abspath(opts.trace)} if opts.trace else {})})
     try:

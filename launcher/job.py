@@ -29,6 +29,7 @@ from dtensor.launcher.bootstrap import ENV_DIR, ENV_PARENT, apply_rank_env, in_m
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
 PREFIX_PATTERN = "[rank%r] "  # hydra replaces %r with the rank
+HOST_PREFIX_PATTERN = "[rank%r@%h] "  # ... and %h with the rank's host (of the hostfile)
 
 
 def find_mpiexec(explicit: str | None = None) -> str:
@@ -163,13 +164,17 @@ class MpiJob:
         hostfile: hydra hostfile; without one every rank is local and the per-rank defaults
             (threads, yielding) are computed here, else each rank computes its own.
         per_node: ranks per host (hydra's ``-ppn``); default: as the hostfile's slots say.
-        prefix: prefix each output line with ``[rankN] `` (hydra's -prepend-pattern).
+        prefix: prefix each output line with ``[rankN] `` (hydra's -prepend-pattern), or
+            ``[rankN@host] `` when ``hosts`` is set (a job over several hosts).
         env: extra environment variables for the ranks.
+        launcher: hydra's options for reaching the hosts (``-launcher ssh``, ``-launcher-exec
+            SCRIPT``, ``-iface NAME``), passed as they are.
     """
 
     def __init__(self, nproc: int, rank_args: Sequence[str], *, mpiexec: str,
                  hostfile: str | None = None, per_node: int | None = None, prefix: bool = True,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, launcher: Sequence[str] = (),
+                 hosts: bool = False) -> None:
         self.nproc = nproc
         # Short, private (0700) path: it also holds an AF_UNIX socket (108-byte path limit).
         self.dir = tempfile.mkdtemp(prefix="dtensor-",
@@ -186,8 +191,8 @@ class MpiJob:
         if per_node is not None:
             self.cmd += ["-ppn", str(per_node)]
         if prefix:
-            self.cmd += ["-prepend-pattern", PREFIX_PATTERN]
-        self.cmd += [sys.executable, BOOTSTRAP, *rank_args]
+            self.cmd += ["-prepend-pattern", HOST_PREFIX_PATTERN if hosts else PREFIX_PATTERN]
+        self.cmd += [*launcher, sys.executable, BOOTSTRAP, *rank_args]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, stdin: Any = subprocess.DEVNULL, stdout: IO[Any] | int | None = None,

@@ -1,0 +1,97 @@
+"""Jobs over several hosts, on simulated hosts (dtensor.testing.hosts: network namespaces on
+this machine, each with its own address and hostname, reached by hydra as over ssh).
+
+Skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dtensor.testing.hosts import Unavailable, simulated_hosts
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parent.parent
+DTLAUNCH = [sys.executable, "-m", "dtensor.launcher"]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    try:
+        with simulated_hosts(2, slots=2) as made:
+            yield made
+    except Unavailable as e:
+        pytest.skip(f"no simulated hosts here: {e}")
+
+
+def launch(args, hosts=None, timeout=240):
+    cmd = [*DTLAUNCH, *(hosts.dtlaunch_args() if hosts else []), *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, **(hosts.env if hosts else {})})
+    return out.returncode, out.stdout + out.stderr
+
+
+def script(tmp_path: Path, source: str) -> str:
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def test_each_host_has_its_local_ranks_threads_and_output_prefix(hosts, tmp_path):
+    rc, out = launch(["--nproc", "4", script(tmp_path, """
+        import os, socket
+        from dtensor.comm import get_world
+        get_world().barrier()
+        print("ENV", os.environ["RANK"], os.environ["LOCAL_RANK"],
+              os.environ["LOCAL_WORLD_SIZE"], socket.gethostname(), flush=True)
+    """)], hosts)
+    assert rc == 0, out
+    seen = {int(m[0]): m for m in re.findall(r"\[rank(\d)@([\d.]+)\] ENV (\d) (\d) (\d) (\S+)",
+                                             out)}
+    assert sorted(seen) == [0, 1, 2, 3], out
+    for rank, (_, addr, env_rank, local, local_size, name) in seen.items():
+        host = rank // 2  # two ranks a host, host-major
+        assert addr == hosts.addresses[host] and name == hosts.names[host], out
+        assert (int(env_rank), int(local), int(local_size)) == (rank, rank % 2, 2), out
+
+
+def test_the_mesh_knows_its_hosts_and_keeps_tp_inside_one(hosts, tmp_path):
+    rc, out = launch(["--nproc", "4", script(tmp_path, """
+        import warnings
+        import dtensor
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mesh = dtensor.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            wide = dtensor.init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+        if mesh.get_rank() == 0:
+            print("HOSTS", mesh.hosts().tolist(), flush=True)
+            print("WARN", [str(w.message) for w in caught], flush=True)
+    """)], hosts)
+    assert rc == 0, out
+    grid = eval(re.search(r"HOSTS (.*)", out)[1])
+    assert grid == [[hosts.names[0]] * 2, [hosts.names[1]] * 2], out  # each tp row: one host
+    warned = re.search(r"WARN (.*)", out)[1]
+    assert warned.count("span hosts") == 1 and "mesh_shape (2, 2)" in warned, out
+
+
+SMALL = ["--steps", "6", "--eval-every", "0", "--sample-chars", "0", "--corpus-chars", "200000",
+         "--n-layer", "2", "--n-embd", "64", "--log-every", "1"]
+
+
+def losses(text):
+    return [float(x) for x in re.findall(r"loss (\d+\.\d+)  lr", text)]
+
+
+def test_two_hosts_dp2_tp2_train_to_the_one_host_losses(hosts):
+    layout = ["--nproc", "4", "examples/train.py", *SMALL, "--dp", "2", "--tp", "2"]
+    rc, one = launch(layout)
+    assert rc == 0, one[-3000:]
+    rc, two = launch(layout, hosts)
+    assert rc == 0, two[-3000:]
+    assert losses(one) and losses(two) == pytest.approx(losses(one), rel=1e-5, abs=0), (one, two)
+    assert f"[rank0@{hosts.addresses[0]}] mesh: dp=2 x tp=2" in two, two[-2000:]

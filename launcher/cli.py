@@ -53,6 +53,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtensor.flight import ENV_FLIGHT, REQUEST, read_disk_ring
+from dtensor.launcher import allocation
 from dtensor.launcher.bootstrap import ENV_HANG, available_cores
 from dtensor.launcher.hang import diagnose, post_mortem
 from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
@@ -197,6 +199,30 @@ def _hosts(hostfile: str) -> list[str]:
             if host and host not in hosts:
                 hosts.append(host)
     return hosts
+
+
+def _allocation(opts: argparse.Namespace) -> tuple[str, str] | None:
+    """Inside a Slurm or PBS allocation and given no --hostfile: its hosts as a hostfile
+    (``opts.hostfile`` is set to it) and, without a count, its slots as --nproc. Returns (the
+    hostfile made, a line saying what was found), or None outside an allocation."""
+    if opts.hostfile is not None:
+        return None
+    alloc = allocation.from_env()
+    if alloc is None:
+        return None
+    if opts.nproc is None and opts.nproc_per_node is None:
+        opts.nproc = alloc.slots
+    want = opts.nproc if opts.nproc is not None else None
+    if want is not None and want > alloc.slots:
+        raise ValueError(f"--nproc {want} but the {alloc.kind} allocation holds {alloc.slots} "
+                         f"ranks ({alloc.describe()}); pass --nproc {alloc.slots} or fewer, or "
+                         f"ask the scheduler for more tasks")
+    fd, path = tempfile.mkstemp(prefix="dtensor-hosts-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(alloc.hostfile_text())
+    opts.hostfile = path
+    return path, (f"dtlaunch: running in a {alloc.kind} allocation: {len(alloc.hosts)} host(s), "
+                  f"{alloc.describe()}; {opts.nproc or alloc.slots} rank(s)")
 
 
 def _hydra_options(opts: argparse.Namespace) -> list[str]:
@@ -542,7 +568,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     opts = _parser().parse_args(argv)
+    made_hostfile = None
     try:
+        found = _allocation(opts)
+        if found is not None:
+            made_hostfile, note = found
+            print(note, file=sys.stderr)
         _check(opts)
         grace = _seconds(GRACE_VAR, DEFAULT_GRACE, "the check for ranks left waiting")
         hang = _seconds(HANG_VAR, DEFAULT_HANG, "the check for deadlocked ranks")
@@ -550,6 +581,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         mpiexec = find_mpiexec(opts.mpiexec)
     except (ValueError, FileNotFoundError) as exc:
         print(f"dtlaunch: error: {exc}", file=sys.stderr)
+        if made_hostfile:
+            os.unlink(made_hostfile)
         return 2
     if size.note:
         print(size.note, file=sys.stderr)
@@ -580,5 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status
     finally:
         job.close()
+        if made_hostfile:
+            os.unlink(made_hostfile)
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)

@@ -95,3 +95,44 @@ def test_two_hosts_dp2_tp2_train_to_the_one_host_losses(hosts):
     assert rc == 0, two[-3000:]
     assert losses(one) and losses(two) == pytest.approx(losses(one), rel=1e-5, abs=0), (one, two)
     assert f"[rank0@{hosts.addresses[0]}] mesh: dp=2 x tp=2" in two, two[-2000:]
+
+
+def slurm_env(hosts) -> dict:
+    """A faked Slurm allocation of the simulated hosts, two tasks each."""
+    prefix = hosts.addresses[0].rsplit(".", 1)[0]
+    return {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": f"{prefix}.[1-2]",
+            "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NTASKS": "4"}
+
+
+def test_a_slurm_allocation_runs_train_py_with_no_host_arguments(hosts):
+    reach = ["--launcher", "ssh", "--launcher-exec", hosts.launcher_exec, "--iface", hosts.iface]
+    cmd = [*DTLAUNCH, *reach, "examples/train.py", *SMALL[:1], "20", *SMALL[2:]]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, **hosts.env, **slurm_env(hosts)})
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert (f"running in a Slurm allocation: 2 host(s), {hosts.addresses[0]}:2, "
+            f"{hosts.addresses[1]}:2; 4 rank(s)") in text, text[-3000:]
+    assert f"[rank0@{hosts.addresses[0]}] mesh: dp=2 x tp=2" in text, text[-3000:]
+    assert len(losses(text)) == 20, text[-3000:]
+    too_many = subprocess.run([*cmd[:len(DTLAUNCH)], "--nproc", "5", *cmd[len(DTLAUNCH):]],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **slurm_env(hosts)})
+    assert too_many.returncode == 2 and "--nproc 5 but the Slurm allocation holds 4 ranks" in \
+        too_many.stderr, too_many.stderr
+
+
+@pytest.mark.parametrize("env, hosts_slots", [
+    ({"SLURM_JOB_NODELIST": "node[01-03,7],gpu5", "SLURM_TASKS_PER_NODE": "2(x3),1,4"},
+     [("node01", 2), ("node02", 2), ("node03", 2), ("node7", 1), ("gpu5", 4)]),
+    ({"SLURM_NODELIST": "a[1-2]", "SLURM_NTASKS_PER_NODE": "3"}, [("a1", 3), ("a2", 3)]),
+    ({"SLURM_JOB_NODELIST": "solo"}, [("solo", 1)]),
+    ({"PBS_NODEFILE": "{nodefile}"}, [("n1", 2), ("n2", 1)]),
+    ({}, None),
+])
+def test_allocations_read_from_the_scheduler_environment(tmp_path, env, hosts_slots):
+    from dtensor.launcher.allocation import from_env
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("n1\nn1\nn2\n")
+    found = from_env({k: v.format(nodefile=nodefile) for k, v in env.items()})
+    assert (None if found is None else list(found.hosts)) == hosts_slots

@@ -136,3 +136,44 @@ def test_allocations_read_from_the_scheduler_environment(tmp_path, env, hosts_sl
     nodefile.write_text("n1\nn1\nn2\n")
     found = from_env({k: v.format(nodefile=nodefile) for k, v in env.items()})
     assert (None if found is None else list(found.hosts)) == hosts_slots
+
+
+def link_bytes(hosts) -> int:
+    """Bytes both ways over every simulated host's link so far."""
+    total = 0
+    for veth in hosts._veths:
+        for way in ("rx_bytes", "tx_bytes"):
+            total += int(Path(f"/sys/class/net/{veth}/statistics/{way}").read_text())
+    return total
+
+
+def test_tp_collectives_stay_inside_hosts_and_only_dp_crosses_the_link(hosts, tmp_path):
+    job = script(tmp_path, """
+        import sys
+        import numpy as np
+        import dtensor
+        from dtensor.debug import CommDebugMode
+        mesh = dtensor.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        group = mesh.get_group(sys.argv[1])
+        x = np.ones(1 << 20, np.float32)  # 4 MB
+        with CommDebugMode() as log:
+            for _ in range(10):
+                group.all_reduce(x)
+        hosts = mesh.hosts()
+        if mesh.get_rank() == 0:
+            print("GROUPS", sorted({tuple(e.group) for e in log.events}), flush=True)
+        print("SPANS", sys.argv[1], len({str(hosts.reshape(-1)[r]) for r in group.ranks}),
+              flush=True)
+    """)
+    crossed = {}
+    for dim in ("tp", "dp"):
+        before = link_bytes(hosts)
+        rc, out = launch(["--nproc", "4", job, dim], hosts)
+        assert rc == 0, out
+        crossed[dim] = link_bytes(hosts) - before
+        spans = set(re.findall(rf"SPANS {dim} (\d)", out))
+        assert spans == {"1" if dim == "tp" else "2"}, out  # a tp group: one host
+    # ten 4 MB all-reduces between the hosts move at least 40 MB over the links (each link
+    # counted once per direction); tp's stay inside their hosts: only start-up traffic crosses
+    assert crossed["dp"] > 40e6, crossed
+    assert crossed["tp"] < 4e6, crossed

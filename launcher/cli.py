@@ -63,13 +63,16 @@ from typing import Any
 from dtensor.flight import ENV_FLIGHT, REQUEST, read_disk_ring
 from dtensor.launcher import allocation
 from dtensor.launcher.bootstrap import ENV_HANG, available_cores
-from dtensor.launcher.hang import diagnose, post_mortem
+from dtensor.launcher.hang import HostProbe, diagnose, post_mortem
 from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
 
 TIMEOUT_EXIT = 124  # as coreutils' timeout(1)
 GRACE_VAR = "DTENSOR_EXIT_GRACE"
 DEFAULT_GRACE = 10.0
 HANG_VAR = "DTENSOR_HANG_TIMEOUT"
+HOST_VAR = "DTENSOR_HOST_TIMEOUT"
+# A host of a multi-host job that stops answering on the network for this long ends the job.
+DEFAULT_HOST_TIMEOUT = 10.0
 # Far above any one collective of a healthy single-host job (they take milliseconds, and a rank
 # waiting for a computing peer is not counted: the peer is not in MPI), yet a deadlock ends
 # within about half a minute.
@@ -191,14 +194,30 @@ def _nnodes(text: str | None) -> int:
 
 def _hosts(hostfile: str) -> list[str]:
     """The distinct hosts of a hydra hostfile, in order (``host[:slots]`` lines, # comments)."""
-    hosts: list[str] = []
+    return list(dict.fromkeys(h for h, _ in _host_slots(hostfile)))
+
+
+def _host_slots(hostfile: str) -> list[tuple[str, int]]:
+    """(host, slots) of each line of a hydra hostfile (slots default 1)."""
+    out = []
     with open(hostfile) as f:
         for line in f:
             words = line.split("#", 1)[0].split()
-            host = words[0].split(":", 1)[0] if words else ""
-            if host and host not in hosts:
-                hosts.append(host)
-    return hosts
+            if words:
+                host, _, slots = words[0].partition(":")
+                out.append((host, int(slots) if slots.isdigit() else 1))
+    return out
+
+
+def _placement(hostfile: str, nproc: int, per_node: int | None) -> list[str]:
+    """The host of each rank as hydra places them: each host's slots (or ``per_node``) in
+    turn, round again if the ranks outnumber them."""
+    slots = [(h, per_node or n) for h, n in _host_slots(hostfile)]
+    out: list[str] = []
+    while len(out) < nproc and slots:
+        for host, n in slots:
+            out += [host] * min(n, nproc - len(out))
+    return out
 
 
 def _allocation(opts: argparse.Namespace) -> tuple[str, str] | None:
@@ -329,10 +348,25 @@ class _Watch:
         self.deadlock = StuckWatch(job)
         self.status = 1  # the exit status of the job that check() reports
         self.asked_at: float | None = None
+        self.probe, self.rank_hosts, self.host_timeout = None, [], DEFAULT_HOST_TIMEOUT
 
     def check(self) -> str | None:
-        return (self._hang_report() or self._lost_child() or self._left_waiting()
-                or self._deadlocked())
+        return (self._hang_report() or self._host_lost() or self._lost_child()
+                or self._left_waiting() or self._deadlocked())
+
+    def _host_lost(self) -> str | None:
+        """A host of the job stopped answering on the network (launcher/hang.py HostProbe)."""
+        if self.probe is None:
+            return None
+        lost = self.probe.lost(self.host_timeout)
+        if not lost:
+            return None
+        host, silent = max(lost.items(), key=lambda kv: kv[1])
+        ranks = [r for r, h in enumerate(self.rank_hosts) if h == host]
+        return (f"dtlaunch: host {host} ({_ranks(ranks)}) has not answered on the network for "
+                f"{silent:.0f} s ({HOST_VAR}={self.host_timeout:g}): its link is down or the "
+                f"host is gone, and its ranks cannot reach the others; the job was ended\n"
+                f"dtlaunch: job failed: lost host {host} ({_ranks(ranks)}); exit status 1\n")
 
     def ask(self) -> None:
         """SIGUSR1 to dtlaunch: every rank dumps its flight recorder, then the job ends."""
@@ -489,15 +523,23 @@ def _wait(job: MpiJob, timeout: float | None, watch: _Watch) -> tuple[int, str |
                 return watch.status, report
 
 
-def _run(job: MpiJob, timeout: float | None, grace: float, hang: float) -> int:
+def _run(job: MpiJob, timeout: float | None, grace: float, hang: float,
+         placement: Sequence[str] = (), host_timeout: float = DEFAULT_HOST_TIMEOUT) -> int:
+    """Wait for the job and report how it ended. ``placement``: each rank's host, when they
+    are on several (a host that stops answering for ``host_timeout`` s ends the job)."""
     assert job.proc is not None, "start the job first"
     watch = _Watch(job, grace, hang)
+    if len(set(placement)) > 1 and host_timeout < float("inf"):
+        watch.rank_hosts, watch.host_timeout = list(placement), host_timeout
+        watch.probe = HostProbe(list(dict.fromkeys(placement)))
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = (signal.signal(signal.SIGUSR1, lambda signum, frame: watch.ask())
                 if in_main_thread else None)
     try:
         return _outcome(job, timeout, watch)
     finally:
+        if watch.probe is not None:
+            watch.probe.close()
         if in_main_thread:
             signal.signal(signal.SIGUSR1, previous)
 
@@ -577,6 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check(opts)
         grace = _seconds(GRACE_VAR, DEFAULT_GRACE, "the check for ranks left waiting")
         hang = _seconds(HANG_VAR, DEFAULT_HANG, "the check for deadlocked ranks")
+        host_timeout = _seconds(HOST_VAR, DEFAULT_HOST_TIMEOUT, "the check for lost hosts")
         size = _layout(opts)
         mpiexec = find_mpiexec(opts.mpiexec)
     except (ValueError, FileNotFoundError) as exc:
@@ -605,7 +648,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       **({"DTENSOR_TRACE": os.path.abspath(opts.trace)} if opts.trace else {})})
     try:
         job.start(stdin=stdin)
-        status = _run(job, opts.timeout, grace, hang)
+        status = _run(job, opts.timeout, grace, hang, _placement(
+            opts.hostfile, size.nproc, size.per_node) if opts.hostfile else (), host_timeout)
         trace = os.path.join(os.path.abspath(opts.trace), "trace.json") if opts.trace else None
         if trace and os.path.exists(trace):
             print(f"dtlaunch: every rank's timeline is in {trace} (open it in Perfetto; "

@@ -9,6 +9,8 @@ in the group's sequence with a different call: a mismatch.
 """
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -157,3 +159,47 @@ def post_mortem(rings: Mapping[int, list], status: int) -> tuple[str, str | None
                  "uneven gathers and scatters, pass sizes=[...])\n")
     return "".join(lines), (f"dtlaunch: job failed: mismatched collective: "
                             f"{'; '.join(problems)}; exit status {status}\n")
+
+
+class HostProbe:
+    """Whether each host of a multi-host job still answers on the network.
+
+    A thread knocks on each host every ``every`` seconds with a TCP connection to a port
+    nobody listens on (``PORT``): a host that is up answers at once, refusing it; a host whose
+    link is down (or that is gone) does not answer at all. A host that has never answered (a
+    firewall that drops such packets silently) is never taken for lost. Costs one packet each
+    way per host per knock.
+    """
+
+    PORT = 1
+
+    def __init__(self, hosts: list[str], every: float = 2.0):
+        self.hosts, self.every = hosts, every
+        self.answered: dict[str, float] = {}  # host -> when it last answered
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dtlaunch-hosts", daemon=True)
+        self._thread.start()
+
+    def _knock(self, host: str) -> bool:
+        try:
+            socket.create_connection((host, self.PORT), timeout=self.every).close()
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # timed out, host or network unreachable
+            return False
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for host in self.hosts:
+                if self._knock(host):
+                    self.answered[host] = time.monotonic()
+            self._stop.wait(self.every)
+
+    def lost(self, after: float) -> dict[str, float]:
+        """Hosts that answered once but not for ``after`` seconds: host -> seconds silent."""
+        now = time.monotonic()
+        return {h: now - t for h, t in list(self.answered.items()) if now - t > after}
+
+    def close(self) -> None:
+        self._stop.set()

@@ -177,3 +177,63 @@ def test_tp_collectives_stay_inside_hosts_and_only_dp_crosses_the_link(hosts, tm
     # counted once per direction); tp's stay inside their hosts: only start-up traffic crosses
     assert crossed["dp"] > 40e6, crossed
     assert crossed["tp"] < 4e6, crossed
+
+
+def test_a_host_whose_link_goes_down_ends_the_job_naming_it(tmp_path):
+    """Its own hosts: the link comes down in the middle, and the fixture's must stay up."""
+    import threading
+    import time
+    try:
+        made = simulated_hosts(2, slots=2)
+        hosts = made.__enter__()
+    except Unavailable as e:
+        pytest.skip(f"no simulated hosts here: {e}")
+    try:
+        cmd = [*DTLAUNCH, *hosts.dtlaunch_args(), "--nproc", "4", "examples/train.py",
+               *SMALL[:1], "100000", *SMALL[2:], "--dp", "2", "--tp", "2"]
+        log = tmp_path / "out.log"
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **hosts.env})
+            deadline = time.monotonic() + 120
+            while "step     1 " not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)  # training runs over both hosts
+            assert proc.poll() is None, log.read_text()
+            threading.Timer(0, hosts.link, (1, False)).start()
+            down = time.monotonic()
+            status = proc.wait(timeout=60)
+            took = time.monotonic() - down
+        text = log.read_text()
+        assert status != 0 and took < 30, (status, took, text[-2000:])
+        assert f"job failed: lost host {hosts.addresses[1]} (ranks 2, 3)" in text, text[-2000:]
+        left = [p for p in os.listdir("/proc") if p.isdigit() and "examples/train.py" in
+                Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+                and hosts.launcher_exec not in Path(f"/proc/{p}/cmdline").read_bytes().decode(
+                    errors="replace") and int(p) != os.getpid()]
+        assert not left, f"processes of the job survived it: {left}"
+    finally:
+        made.__exit__(None, None, None)
+
+
+def test_a_host_that_never_answered_is_never_taken_for_lost():
+    """A firewall that drops packets to closed ports looks like a dead link: only a host seen
+    answering before can be lost."""
+    import time
+
+    from dtensor.launcher.hang import HostProbe
+
+    class Probe(HostProbe):
+        up = {"a": True, "b": False}  # b: behind such a firewall
+
+        def _knock(self, host):
+            return self.up[host]
+
+    probe = Probe(["a", "b"], every=0.05)
+    try:
+        time.sleep(0.3)
+        assert set(probe.answered) == {"a"} and probe.lost(0.2) == {}
+        Probe.up["a"] = False  # a's link goes down
+        time.sleep(0.5)
+        assert set(probe.lost(0.2)) == {"a"}
+    finally:
+        probe.close()

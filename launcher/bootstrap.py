@@ -304,7 +304,7 @@ def run_script(info: RankInfo, argv: list[str], module: bool = False) -> None:
             raise SystemExit(1) from None
         text = "".join(traceback.format_exception(type(exc), exc, _user_tb(exc)))
         report = {"rank": info.rank, "time": time.time(), "type": type(exc).__name__,
-                  "traceback": text}
+                  "traceback": text, "host": socket.gethostname()}
         _write_atomic(os.path.join(report_dir, f"rank{info.rank}.err"), json.dumps(report))
         print(f"dtlaunch: rank {info.rank} raised {type(exc).__name__}; its traceback is printed "
               "when the job has ended", file=sys.stderr)

@@ -485,11 +485,13 @@ class _Watch:
         return "".join(lines)
 
 
-def failure_summary(failures: Sequence[dict[str, Any]], status: int) -> str:
+def failure_summary(failures: Sequence[dict[str, Any]], status: int,
+                    hosts: bool = False) -> str:
     """The closing lines for ranks that raised: the first rank's traceback once, then one line.
 
     Ranks with the same traceback (a failure every rank hits) share one copy; a different
-    failure on another rank gets its exception line.
+    failure on another rank gets its exception line. ``hosts``: the job ran on several hosts,
+    so the first failing rank's host is named too.
     """
     first = failures[0]
     same = [f["rank"] for f in failures if f["traceback"] == first["traceback"]]
@@ -500,8 +502,9 @@ def failure_summary(failures: Sequence[dict[str, Any]], status: int) -> str:
             last = f["traceback"].rstrip("\n").rsplit("\n", 1)[-1]
             lines.append(f"dtlaunch: rank {f['rank']} also failed: {last}\n")
     failed = sorted(f["rank"] for f in failures)
-    what = (first["type"] if len(failed) == 1
-            else f"an exception (first: rank {first['rank']}, {first['type']})")
+    where = f" on host {first['host']}" if hosts and "host" in first else ""
+    what = (first["type"] + where if len(failed) == 1
+            else f"an exception (first: rank {first['rank']}{where}, {first['type']})")
     lines.append(f"dtlaunch: job failed: {_ranks(failed)} raised {what}; exit status {status}\n")
     return "".join(lines)
 
@@ -580,7 +583,7 @@ def _outcome(job: MpiJob, timeout: float | None, watch: _Watch) -> int:
         status = status or 1
         if inside is not None and inside[1] is not None:  # a mismatch: name every rank's call
             sys.stderr.write(inside[0])
-        sys.stderr.write(failure_summary(failures, status))
+        sys.stderr.write(failure_summary(failures, status, hosts=bool(watch.rank_hosts)))
     elif lost is not None:  # mpiexec may notice the ranks it lost once they exit, or not
         sys.stderr.write(lost)
     elif status < 0:

@@ -237,3 +237,30 @@ def test_a_host_that_never_answered_is_never_taken_for_lost():
         assert set(probe.lost(0.2)) == {"a"}
     finally:
         probe.close()
+
+
+def test_a_failing_rank_is_named_with_its_host(hosts, tmp_path):
+    rc, out = launch(["--nproc", "4", script(tmp_path, """
+        from dtensor.comm import get_world
+        w = get_world()
+        w.barrier()
+        if w.rank == 3:
+            raise ValueError("bad shard")
+        w.barrier()
+    """)], hosts)
+    last = out.rstrip().splitlines()[-1]
+    assert rc != 0 and f"rank 3 raised ValueError on host {hosts.names[1]}" in last, out[-2000:]
+
+
+def test_a_checkpoint_saved_across_hosts_resumes_on_one_host(hosts, tmp_path):
+    save = ["--save-every", "6", "--save-dir", str(tmp_path / "ckpt")]
+    layout = ["--nproc", "4", "examples/train.py", *SMALL, "--dp", "2", "--tp", "2"]
+    rc, first = launch([*layout, *save], hosts)  # six steps on two hosts, saved at the end
+    assert rc == 0, first[-3000:]
+    longer = [a if a != "6" else "9" for a in layout]
+    rc, resumed = launch([*longer, "--resume", str(tmp_path / "ckpt")])  # three more, one host
+    assert rc == 0, resumed[-3000:]
+    rc, straight = launch(longer)  # nine in one go, one host
+    assert rc == 0, straight[-3000:]
+    assert losses(resumed) and losses(resumed) == losses(straight)[-len(losses(resumed)):], (
+        losses(resumed), losses(straight))

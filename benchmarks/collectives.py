@@ -9,6 +9,13 @@ how far apart two equal paths land on this machine.
 
     python benchmarks/collectives.py             # spawns 2 and 4 ranks itself
     dtlaunch --nproc 4 benchmarks/collectives.py # or one world size under dtlaunch
+    python benchmarks/collectives.py --hosts 2   # 2 simulated hosts x 2 ranks (root: network
+                                                 # namespaces): within a host vs across the link
+
+With ``--hosts N`` the ranks form an (N, 2) mesh over N simulated hosts (dtensor.testing.hosts,
+UCX over TCP so that nothing takes a shared-memory shortcut between them): a 4 MB all_reduce
+over each mesh dim, ``link`` "within host" (dim 1) or "across hosts" (dim 0), dtensor next to
+raw mpi4py on the same sub-communicator.
 
 Bus bandwidth (nccl-tests' definition) with S the logical buffer size in bytes:
 all_reduce S/t * 2(n-1)/n; all_gather and reduce_scatter S/t * (n-1)/n.
@@ -91,7 +98,66 @@ def run(repeats: int | None = None) -> list[dict]:
     return rows
 
 
+def run_links(repeats: int = 30, iters: int = 5) -> list[dict]:
+    """A 4 MB all_reduce within each host and across hosts (the (hosts, 2) mesh's dims)."""
+    from mpi4py import MPI
+
+    import dtensor
+    from dtensor.comm import get_world
+
+    world = get_world()
+    mesh = dtensor.init_device_mesh("cpu", (world.size // 2, 2), mesh_dim_names=("host", "local"))
+    x, out = np.ones(1 << 20, np.float32), np.empty(1 << 20, np.float32)
+    rows = []
+    for dim, link in (("local", "within host"), ("host", "across hosts")):
+        group = mesh.get_group(dim)
+        paths = [lambda: group.all_reduce(x, out=out),
+                 lambda: group._c.Allreduce(x, out, op=MPI.SUM)]
+        times: list[list[float]] = [[], []]
+        for f in paths:
+            f()
+        for rep in range(repeats):
+            for k in (rep % 2, 1 - rep % 2):
+                world.barrier()
+                t = time.perf_counter()
+                for _ in range(iters):
+                    paths[k]()
+                times[k].append((time.perf_counter() - t) / iters)
+        ours, mpi = (statistics.median(ts) for ts in times)
+        factor = 2 * (group.size - 1) / group.size
+        rows.append({"bench": "collectives", "op": "all_reduce", "link": link,
+                     "ranks": group.size, "size_mb": 4, "dtensor_ms": round(ours * 1e3, 3),
+                     "mpi4py_ms": round(mpi * 1e3, 3),
+                     "dtensor_busbw_gbs": round(x.nbytes / ours * factor / 1e9, 3),
+                     "mpi4py_busbw_gbs": round(x.nbytes / mpi * factor / 1e9, 3),
+                     "ratio": round(statistics.median(m / t for m, t in zip(*times[::-1])), 3)})
+    return rows
+
+
+def hosts_main(n: int) -> None:
+    """Start this benchmark on ``n`` simulated hosts x 2 ranks and print its lines."""
+    import subprocess
+
+    from dtensor.testing.hosts import simulated_hosts
+    with simulated_hosts(n, slots=2) as hosts:
+        out = subprocess.run([sys.executable, "-m", "dtensor.launcher", *hosts.dtlaunch_args(),
+                              "--nproc", str(2 * n), "--no-prefix", __file__, "--links"],
+                             capture_output=True, text=True, env={**os.environ, **hosts.env})
+    sys.stdout.write(out.stdout)
+    if out.returncode:
+        sys.stderr.write(out.stderr)
+        sys.exit(out.returncode)
+
+
 def main() -> None:
+    if "--hosts" in sys.argv:
+        return hosts_main(int(sys.argv[sys.argv.index("--hosts") + 1]))
+    if "--links" in sys.argv:  # the ranks of hosts_main's job
+        rows = run_links()
+        if int(os.environ["RANK"]) == 0:
+            for row in rows:
+                print(json.dumps(row), flush=True)
+        return
     if "WORLD_SIZE" in os.environ:  # under dtlaunch: one world size
         rows = run()
         if int(os.environ["RANK"]) == 0:

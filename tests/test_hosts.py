@@ -42,22 +42,27 @@ def script(tmp_path: Path, source: str) -> str:
     return str(path)
 
 
-def test_each_host_has_its_local_ranks_threads_and_output_prefix(hosts, tmp_path):
-    rc, out = launch(["--nproc", "4", script(tmp_path, """
+@pytest.mark.parametrize("count", [["--nproc", "4"], ["--nnodes", "2", "--nproc_per_node", "2"]],
+                         ids=["nproc", "torchrun-nnodes"])
+def test_each_host_has_its_local_ranks_threads_and_output_prefix(hosts, tmp_path, count):
+    rc, out = launch([*count, script(tmp_path, """
         import os, socket
         from dtensor.comm import get_world
         get_world().barrier()
         print("ENV", os.environ["RANK"], os.environ["LOCAL_RANK"],
-              os.environ["LOCAL_WORLD_SIZE"], socket.gethostname(), flush=True)
+              os.environ["LOCAL_WORLD_SIZE"], socket.gethostname(),
+              os.environ["OMP_NUM_THREADS"], flush=True)
     """)], hosts)
     assert rc == 0, out
-    seen = {int(m[0]): m for m in re.findall(r"\[rank(\d)@([\d.]+)\] ENV (\d) (\d) (\d) (\S+)",
-                                             out)}
+    seen = {int(m[0]): m for m in re.findall(
+        r"\[rank(\d)@([\d.]+)\] ENV (\d) (\d) (\d) (\S+) (\d+)", out)}
     assert sorted(seen) == [0, 1, 2, 3], out
-    for rank, (_, addr, env_rank, local, local_size, name) in seen.items():
+    cores = len(os.sched_getaffinity(0))
+    for rank, (_, addr, env_rank, local, local_size, name, threads) in seen.items():
         host = rank // 2  # two ranks a host, host-major
         assert addr == hosts.addresses[host] and name == hosts.names[host], out
         assert (int(env_rank), int(local), int(local_size)) == (rank, rank % 2, 2), out
+        assert int(threads) == max(1, cores // 2), out  # the host's cores over its ranks
 
 
 def test_the_mesh_knows_its_hosts_and_keeps_tp_inside_one(hosts, tmp_path):

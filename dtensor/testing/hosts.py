@@ -40,14 +40,17 @@ class SimulatedHosts:
     """``n`` hosts with ``slots`` ranks each (see the module doc). Build with
     :func:`simulated_hosts`, which also tears them down."""
 
+    _made = 0
+
     def __init__(self, n: int, slots: int):
         if shutil.which("ip") is None:
             raise Unavailable("iproute2's `ip` is not installed (apt install iproute2)")
         if os.geteuid() != 0:
             raise Unavailable("making network namespaces needs root (CAP_NET_ADMIN)")
-        tag = f"dt{os.getpid() % 100000}"  # interface names: at most 15 characters
+        SimulatedHosts._made += 1  # names and subnet of its own, beside others of this process
+        tag = f"dt{os.getpid() % 10000}x{SimulatedHosts._made}"  # interface names: <= 15 chars
         self.names = [f"{tag}h{i}" for i in range(n)]
-        net = 16 + os.getpid() % 224  # another process's hosts sit on another /24
+        net = 16 + (os.getpid() + 37 * SimulatedHosts._made) % 224  # another /24 each
         self.addresses = [f"10.213.{net}.{i + 1}" for i in range(n)]
         self.iface, self._veths, self.slots = f"{tag}br", [f"{tag}v{i}" for i in range(n)], slots
         self.dir = tempfile.mkdtemp(prefix="dtensor-hosts-")

@@ -27,7 +27,15 @@ prints it exactly once, as the last lines of its output, after the job's own out
 With ``--timeout S`` dtlaunch prints every rank's Python stack after S seconds, kills every
 process of the job and exits with 124.
 
-Two ways a job can no longer finish that mpiexec does not notice, so dtlaunch watches for them
+Hangs: every rank keeps a flight recorder of its last collectives (dtensor/flight.py). When a
+rank has waited in one for DTENSOR_WATCHDOG_S, or on SIGUSR1 to dtlaunch, every rank dumps it
+and dtlaunch prints one diagnosis (the stuck collective and its line, the ranks that never
+arrived and where they are, mismatched calls; launcher/hang.py) and ends the job with 124. On
+several hosts, a host that stops answering on the network for DTENSOR_HOST_TIMEOUT ends the
+job, naming it. Inside a Slurm or PBS allocation and given no --hostfile, the allocation's
+hosts are used (launcher/allocation.py).
+
+Ways a job can no longer finish that mpiexec does not notice, so dtlaunch watches for them
 once a second and ends the job with status 1 and a message naming what happened:
 - a rank finished its script (returned, or ``sys.exit(0)``) while others still run, and
   ``DTENSOR_EXIT_GRACE`` seconds (default 10) later every one of those others sits in a
@@ -231,11 +239,10 @@ def _allocation(opts: argparse.Namespace) -> tuple[str, str] | None:
         return None
     if opts.nproc is None and opts.nproc_per_node is None:
         opts.nproc = alloc.slots
-    want = opts.nproc if opts.nproc is not None else None
-    if want is not None and want > alloc.slots:
-        raise ValueError(f"--nproc {want} but the {alloc.kind} allocation holds {alloc.slots} "
-                         f"ranks ({alloc.describe()}); pass --nproc {alloc.slots} or fewer, or "
-                         f"ask the scheduler for more tasks")
+    if opts.nproc is not None and opts.nproc > alloc.slots:
+        raise ValueError(f"--nproc {opts.nproc} but the {alloc.kind} allocation holds "
+                         f"{alloc.slots} ranks ({alloc.describe()}); pass --nproc {alloc.slots} "
+                         f"or fewer, or ask the scheduler for more tasks")
     fd, path = tempfile.mkstemp(prefix="dtensor-hosts-", suffix=".txt")
     with os.fdopen(fd, "w") as f:
         f.write(alloc.hostfile_text())
@@ -532,9 +539,10 @@ def _run(job: MpiJob, timeout: float | None, grace: float, hang: float,
     are on several (a host that stops answering for ``host_timeout`` s ends the job)."""
     assert job.proc is not None, "start the job first"
     watch = _Watch(job, grace, hang)
-    if len(set(placement)) > 1 and host_timeout < float("inf"):
+    if len(set(placement)) > 1:
         watch.rank_hosts, watch.host_timeout = list(placement), host_timeout
-        watch.probe = HostProbe(list(dict.fromkeys(placement)))
+        if host_timeout < float("inf"):
+            watch.probe = HostProbe(list(dict.fromkeys(placement)))
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = (signal.signal(signal.SIGUSR1, lambda signum, frame: watch.ask())
                 if in_main_thread else None)

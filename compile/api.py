@@ -224,13 +224,9 @@ class _Entry:
             arena = np.empty(self.graph.arena_bytes, np.uint8)
             self.buffers = [np.ndarray(shape, dtype, buffer=arena, offset=off)
                             for shape, dtype, off in self.graph.buffers]
-        profile = observe.SPANS
-        if profile is None:
-            outs = self.run_fn(inputs, slots, self.tables["F"], self.tables["K"], self.buffers)
-        else:  # a span for each node, and one for the whole graph
-            with profile.span(f"compiled {os.path.basename(self.path)}", "compiled"):
-                outs = self.run_fn(inputs, slots, profile.table(self), self.tables["K"],
-                                   self.buffers)
+        profile = observe.SPANS  # with a profile open, a span for each node
+        calls = self.tables["F"] if profile is None else profile.table(self)
+        outs = self.run_fn(inputs, slots, calls, self.tables["K"], self.buffers)
         values = []
         for wb, arr in zip(self.writebacks, outs):
             if wb.kind == "result":
@@ -406,6 +402,13 @@ class Compiled:
         return [e.graph for e in self._cache.values()]
 
     def __call__(self, *args, **kwargs):
+        profile = observe.SPANS
+        if profile is None:
+            return self._call(args, kwargs)
+        with profile.span(f"compiled {self.__name__}", "compiled"):  # lookup, feeds, graph
+            return self._call(args, kwargs)
+
+    def _call(self, args, kwargs):
         env = _Env(self.fn)
         for opt in env.optimizers:  # what eager step() checks (a scheduler's lr) on every call
             opt._check_step()

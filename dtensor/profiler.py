@@ -20,7 +20,8 @@ a collective), communication (in a collective, not waiting) and waiting; what is
 profiled time (Python between spans outside any module) is shown as ``other``.
 
 With no profile open nothing of this runs: its hooks (``registry.apply``, ``Module.__call__``,
-``Optimizer.step``, a compiled graph's call table) are swapped in on entry and out on exit.
+``Optimizer.step``/``zero_grad``, autograd's backward pass, a compiled function's call and its
+graph's call table) are swapped in on entry and out on exit.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from dtensor import observe
+from dtensor import autograd, observe
 from dtensor.ops import registry
 
 __all__ = ["profile", "summary", "load"]
@@ -67,25 +68,31 @@ class profile:
             world.barrier()
         self._t0 = time.perf_counter()
         self._rank, self._world = world.rank, world
-        plain_apply, plain_step = registry.apply, Optimizer.step
+        plain = (registry.apply, Optimizer.step, Optimizer.zero_grad, autograd._run)
         spans, now = self._spans, time.perf_counter
 
         def apply(op, *args, **params):
             start = now()
             try:
-                return plain_apply(op, *args, **params)
+                return plain[0](op, *args, **params)
             finally:
                 spans.append((op.name, "op", start, now(), None))
 
-        def step(opt, *args, **kwargs):
-            start = now()
-            try:
-                return plain_step(opt, *args, **kwargs)
-            finally:
-                spans.append((f"{type(opt).__name__}.step", "optimizer", start, now(), None))
+        def timed(f, cat, name=None):
+            def call(*args, **kwargs):
+                start = now()
+                try:
+                    return f(*args, **kwargs)
+                finally:
+                    spans.append((name or f"{type(args[0]).__name__}.{f.__name__}", cat, start,
+                                  now(), None))
+            return call
 
-        self._saved = (plain_apply, Optimizer, plain_step)
-        registry.apply, Optimizer.step = apply, step
+        self._saved = (Optimizer, plain)
+        registry.apply = apply
+        Optimizer.step = timed(plain[1], "optimizer")
+        Optimizer.zero_grad = timed(plain[2], "optimizer")
+        autograd._run = timed(plain[3], "autograd", "backward")  # the whole backward pass
         _Tracking.acquire()
         observe.OBSERVERS.append(self)
         observe.SPANS = self
@@ -98,8 +105,8 @@ class profile:
         from dtensor.debug import _Tracking
         end = time.perf_counter()
         self.on_where(None, None)
-        plain_apply, Optimizer, plain_step = self._saved
-        registry.apply, Optimizer.step = plain_apply, plain_step
+        Optimizer, plain = self._saved
+        registry.apply, Optimizer.step, Optimizer.zero_grad, autograd._run = plain
         observe.SPANS = None
         observe.OBSERVERS.remove(self)
         _Tracking.release()

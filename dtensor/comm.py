@@ -350,16 +350,18 @@ class Comm:
         return f"Comm(rank={self.rank}, size={self.size}, ranks={list(self.ranks)})"
 
     # -- bookkeeping
-    def _record(self, kind: str, shape, nbytes: int, dtype) -> flight.Entry:
-        """Start a collective: its flight entry (the debug counter's event, the observers'
-        call). Finished by _blocking, or by its Work's wait."""
+    def _record(self, kind: str, shape, nbytes: int, dtype, counted: bool = True
+                ) -> flight.Entry:
+        """Start a collective: its flight entry (the debug counter's event unless not
+        ``counted``, the observers' call). Finished by _blocking, or by its Work's wait."""
         self._seq += 1
         e = flight.Entry(self._seq, kind, self.ranks, tuple(shape), dtype, int(nbytes),
                          flight.user_site(3), dict(observe.CAUSE) if observe.CAUSE else None)
         flight.record(e)
         if self.size > 1 and flight.watchdog is None:
             flight.start_watchdog()
-        if _LOGGING and _logs.active and kind != "recv":  # a send and its recv: one message
+        # a send and its recv: one message; an agreement check is not the program's own
+        if counted and _LOGGING and _logs.active and kind != "recv":
             ev = CollectiveEvent(kind, self.ranks, int(nbytes), str(np.dtype(dtype)))
             for log in _logs.active:
                 log.events.append(ev)
@@ -683,27 +685,37 @@ class Comm:
         """Allgather of one int64 per rank that fails (instead of hanging) when a rank never
         arrives: a collective entry point called on some ranks only."""
         got = np.empty(self.size, np.int64)
+        # in the flight recorder and the profiler's timeline too: ranks wait here for each other
+        entry = self._record("agreement", digest.shape, digest.nbytes, digest.dtype,
+                             counted=False)
         req = self._c.Iallgather(digest, got)
         if req.Test():
+            _ended(entry)
             return got
         limit = collective_timeout()
         start = time.monotonic()
         pause = 1e-4
-        while not req.Test():
-            waited = time.monotonic() - start
-            if waited < 0.05:  # peers are usually close behind: yield the core, don't sleep
-                os.sched_yield()
-                continue
-            if waited > limit:
-                # A late rank still completes this request: its buffer must outlive us.
-                _ABANDONED.append((req, got))
-                raise TimeoutError(
-                    f"{what} is collective: every rank of the group {list(self.ranks)} must call "
-                    f"it, and rank {self.ranks[self.rank]} waited {limit:g} s for the others. "
-                    f"Call it on every rank (not under `if rank == 0:`), or raise "
-                    f"DTENSOR_COLLECTIVE_TIMEOUT if a rank is just slow to get there.")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-2)
+        flight.WAITING = entry  # the watchdog sees this wait too
+        try:
+            while not req.Test():
+                waited = time.monotonic() - start
+                if waited < 0.05:  # peers are usually close behind: yield the core, don't sleep
+                    os.sched_yield()
+                    continue
+                if waited > limit:
+                    # A late rank still completes this request: its buffer must outlive us.
+                    _ABANDONED.append((req, got))
+                    raise TimeoutError(
+                        f"{what} is collective: every rank of the group {list(self.ranks)} "
+                        f"must call it, and rank {self.ranks[self.rank]} waited {limit:g} s for "
+                        f"the others. "
+                        f"Call it on every rank (not under `if rank == 0:`), or raise "
+                        f"DTENSOR_COLLECTIVE_TIMEOUT if a rank is just slow to get there.")
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-2)
+        finally:
+            flight.WAITING = None
+        _ended(entry)
         return got
 
     @contextmanager

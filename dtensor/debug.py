@@ -161,7 +161,7 @@ class CommDebugMode:
         _Tracking.release()
 
     def on_collective(self, entry, done: bool) -> None:
-        if done or entry.kind == "recv":  # counted once, as count_collectives() does
+        if done or entry.kind in ("recv", "agreement"):  # as count_collectives() counts
             return
         c = entry.cause or {}
         # a redistribute outside any op (a parallel wrapper's, a gradient's reduction) is its

@@ -259,8 +259,9 @@ def _tree_key(order: list[str]):
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n} B"
+    for unit in ("KB", "MB", "GB"):
         n /= 1024
-    return str(n)
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}"

@@ -16,6 +16,7 @@ mesh dim to the first, slices from the first to the last.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from typing import NamedTuple
@@ -280,7 +281,7 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
     # what the flight recorder and the debug tools say caused these collectives (a traced
     # graph's collectives keep it too)
     outer = observe.CAUSE.get("placements")
-    observe.CAUSE["placements"] = f"{_text(spec.placements)} -> {_text(placements)}"
+    observe.CAUSE["placements"] = _transition_text(spec.placements, tuple(placements))
     try:
         if registry._trace is not None and type(local) is not np.ndarray:
             return registry._trace.comm(local, spec, steps)
@@ -298,5 +299,7 @@ def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...
     return local
 
 
-def _text(placements) -> str:
-    return "[" + ", ".join(map(repr, placements)) + "]"
+@functools.lru_cache(maxsize=1024)
+def _transition_text(src: tuple, dst: tuple) -> str:
+    """``[S(0), R] -> [R, R]``, made once per transition (it is read on every redistribute)."""
+    return " -> ".join("[" + ", ".join(map(repr, p)) + "]" for p in (src, dst))

@@ -241,13 +241,13 @@ class _Entry:
         return _unflatten(self.tree, values)
 
 
-def _trace(fn, env: _Env, args, kwargs):
+def _trace(fn, env: _Env, args, kwargs, kernels: bool):
     """Run ``fn`` once on traced data; returns (graph, feeds, one write-back per graph output,
-    result tree)."""
+    result tree). ``kernels``: the backend renders fused ops as kernels (Tracer)."""
     from dtensor import random
     from dtensor.dtensor import DTensor
 
-    tracer = Tracer()
+    tracer = Tracer(kernels)
     restore_data = []  # (tensor, original array)
     feeds = []
 
@@ -441,7 +441,8 @@ class Compiled:
     def _compile(self, env, args, kwargs, key, reads) -> _Entry:
         t0 = time.perf_counter()
         fn = self.fn
-        graph, feeds, writebacks, tree = _trace(fn, env, args, kwargs)
+        graph, feeds, writebacks, tree = _trace(fn, env, args, kwargs,
+                                                 self.backend != "numpy")
         params = frozenset(map(id, env.params))
         if guards.fingerprint(fn, args, kwargs, params) != key[1]:
             change = guards.first_change(reads, guards.explain(fn, args, kwargs, params))

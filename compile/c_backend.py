@@ -48,11 +48,46 @@ _SUFFIX = {"float": "f32", "double": "f64"}
 # Draws are dtensor/random.py's Philox4x32-10 and its conversions (rand bit for bit).
 _COMMON = r"""#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #ifdef __AVX__
 #include <immintrin.h>
 #define DT_STREAM_f32(dst, src) _mm256_stream_ps((dst), _mm256_loadu_ps(src))
 #define DT_STREAM_f64(dst, src) _mm256_stream_pd((dst), _mm256_loadu_pd(src))
 #endif
+
+/* 32-byte vectors for the attention kernels' register tiles (AVX, or pairs of SSE registers),
+   multiply-added with one rounding where the machine has FMA. */
+typedef float float_vec __attribute__((vector_size(32)));
+typedef double double_vec __attribute__((vector_size(32)));
+#define VEC(t) t##_vec
+#define DT_W(t) ((int64_t)(32 / sizeof(t)))  /* lanes */
+#define DT_R 4  /* attention's query rows per block */
+
+static inline float_vec dt_vfma_f32(float_vec a, float_vec b, float_vec c) {
+#ifdef __FMA__
+    return (float_vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline double_vec dt_vfma_f64(double_vec a, double_vec b, double_vec c) {
+#ifdef __FMA__
+    return (double_vec)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline float_vec dt_vload_f32(const float *p) { float_vec v; memcpy(&v, p, 32); return v; }
+static inline double_vec dt_vload_f64(const double *p) { double_vec v; memcpy(&v, p, 32); return v; }
+static inline void dt_vstore_f32(float *p, float_vec v) { memcpy(p, &v, 32); }
+static inline void dt_vstore_f64(double *p, double_vec v) { memcpy(p, &v, 32); }
+
+static inline void *dt_alloc(size_t bytes) {  /* on cache lines: a vector never straddles two */
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
 
 static inline float dt_exp_f32(float x) {
     float xc = x < -87.9f ? -87.9f : (x > 88.72283f ? 88.72283f : x);
@@ -129,86 +164,185 @@ void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off,
     }
 }
 
-/* Causal (or full) attention, one head at a time, heads h0..h1 of (L, E) blocks: a query row's
-   scores live in a row of the stack, never an (L, L) matrix, and the backward recomputes them
-   (as FlashAttention does). K and V are transposed once a head (kt, vt: E rows of L), so the
-   scores of a row are E passes of L contiguous multiply-adds, which vectorise over the keys. */
-static inline int64_t dt_attention_row_S(const T *qs, const T *kt, T *p, int64_t i, int64_t L,
-                                         int64_t E, int causal) {
-    int64_t n = causal ? (i + 1 < L ? i + 1 : L) : L;
-    for (int64_t j = 0; j < n; j++) p[j] = 0;
-    for (int64_t e = 0; e < E; e++) {
-        const T qe = qs[e], *kr = kt + e * L;
-        for (int64_t j = 0; j < n; j++) p[j] += qe * kr[j];
+/* Causal (or full) attention over heads h0..h1 of (L, E) blocks, as FlashAttention does on a
+   CPU: DT_R query rows at a time, whose scores (DT_R rows of at most L) stay in L1 and never make
+   an (L, L) matrix; a causal block reads only the keys up to its last row. The products are
+   register-tiled: dt_rows_times (scores = rows x K^T), dt_rows_mix (rows of p x V) and
+   dt_rows_scatter (K's and V's gradients += p^T x rows), each holding DT_R x 2 vectors of
+   accumulators. One head's K and V sit transposed (E rows of Lp) or padded (Lp rows of Ep),
+   Lp and Ep whole pairs of vectors, zero past L and E, so no loop has a tail. */
+static inline void dt_rows_times_S(const T *a, const T *bt, T *s, int64_t E, int64_t Lp,
+                                   int64_t nv) {  /* s[r][j<nv] = sum_e a[r][e] bt[e][j] */
+    const int64_t W = DT_W(T);
+    for (int64_t j = 0; j < nv; j += 2 * W) {
+        VEC(T) acc[DT_R][2];
+        for (int r = 0; r < DT_R; r++) acc[r][0] = acc[r][1] = (VEC(T)){0};
+        for (int64_t e = 0; e < E; e++) {
+            VEC(T) b0 = dt_vload_S(bt + e * Lp + j), b1 = dt_vload_S(bt + e * Lp + j + W);
+            for (int r = 0; r < DT_R; r++) {
+                VEC(T) x = (VEC(T)){0} + a[r * E + e];
+                acc[r][0] = dt_vfma_S(b0, x, acc[r][0]);
+                acc[r][1] = dt_vfma_S(b1, x, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < DT_R; r++) {
+            dt_vstore_S(s + r * Lp + j, acc[r][0]);
+            dt_vstore_S(s + r * Lp + j + W, acc[r][1]);
+        }
     }
-    T m = -INFINITY, acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t j = 0; j < n; j++) m = p[j] > m ? p[j] : m;
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) { p[j + l] = dt_exp_S(p[j + l] - m); acc[l] += p[j + l]; }
-    T s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; j < n; j++) { p[j] = dt_exp_S(p[j] - m); s += p[j]; }
-    for (j = 0; j < n; j++) p[j] /= s;
-    return n;
 }
 
-static inline void dt_transpose_S(const T *a, T *at, int64_t L, int64_t E) {
+static inline void dt_rows_mix_S(const T *p, const T *b, T *o, int64_t n, int64_t Lp,
+                                 int64_t Ep) {  /* o[r][:] = sum_{j<n} p[r][j] b[j][:] */
+    const int64_t W = DT_W(T);
+    for (int64_t c = 0; c < Ep; c += 2 * W) {
+        VEC(T) acc[DT_R][2];
+        for (int r = 0; r < DT_R; r++) acc[r][0] = acc[r][1] = (VEC(T)){0};
+        for (int64_t j = 0; j < n; j++) {
+            VEC(T) b0 = dt_vload_S(b + j * Ep + c), b1 = dt_vload_S(b + j * Ep + c + W);
+            for (int r = 0; r < DT_R; r++) {
+                VEC(T) x = (VEC(T)){0} + p[r * Lp + j];
+                acc[r][0] = dt_vfma_S(b0, x, acc[r][0]);
+                acc[r][1] = dt_vfma_S(b1, x, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < DT_R; r++) {
+            dt_vstore_S(o + r * Ep + c, acc[r][0]);
+            dt_vstore_S(o + r * Ep + c + W, acc[r][1]);
+        }
+    }
+}
+
+static inline void dt_rows_scatter_S(const T *p, const T *x, T *acc, int64_t n, int64_t Lp,
+                                     int64_t Ep) {  /* acc[j][:] += sum_r p[r][j] x[r][:] */
+    const int64_t W = DT_W(T);
+    for (int64_t c = 0; c < Ep; c += 2 * W) {
+        VEC(T) xv[DT_R][2];
+        for (int r = 0; r < DT_R; r++) {
+            xv[r][0] = dt_vload_S(x + r * Ep + c);
+            xv[r][1] = dt_vload_S(x + r * Ep + c + W);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            T *d = acc + j * Ep + c;
+            VEC(T) d0 = dt_vload_S(d), d1 = dt_vload_S(d + W);
+            for (int r = 0; r < DT_R; r++) {
+                VEC(T) y = (VEC(T)){0} + p[r * Lp + j];
+                d0 = dt_vfma_S(xv[r][0], y, d0);
+                d1 = dt_vfma_S(xv[r][1], y, d1);
+            }
+            dt_vstore_S(d, d0);
+            dt_vstore_S(d + W, d1);
+        }
+    }
+}
+
+/* A row of scores -> exp(s - max) over its keys j < lim, 0 from lim to nv; returns their sum. */
+static inline T dt_exp_row_S(T *s, int64_t lim, int64_t nv) {
+    T m = -INFINITY, acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t j = 0; j < lim; j++) m = s[j] > m ? s[j] : m;
+    int64_t j = 0;
+    for (; j + 8 <= lim; j += 8)
+        for (int l = 0; l < 8; l++) { s[j + l] = dt_exp_S(s[j + l] - m); acc[l] += s[j + l]; }
+    T sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < lim; j++) { s[j] = dt_exp_S(s[j] - m); sum += s[j]; }
+    for (; j < nv; j++) s[j] = 0;
+    return sum;
+}
+
+static inline void dt_pad_S(const T *a, T *to, int64_t L, int64_t E, int64_t Lp, int64_t Ep,
+                            int transpose) {  /* (L, E) -> (Lp, Ep), or (E, Lp) transposed */
+    memset(to, 0, sizeof(T) * (transpose ? E * Lp : Lp * Ep));
     for (int64_t j = 0; j < L; j++)
-        for (int64_t e = 0; e < E; e++) at[e * L + j] = a[j * E + e];
+        for (int64_t e = 0; e < E; e++) to[transpose ? e * Lp + j : j * Ep + e] = a[j * E + e];
+}
+
+/* Rows i0.. of a block (nr of them; the rest zero): a (scaled) into x (DT_R rows of E) and
+   xp (DT_R rows of Ep). Returns the keys the block reads: up to its last row if causal. */
+static inline int64_t dt_block_rows_S(const T *a, T *x, T *xp, int64_t i0, int64_t nr,
+                                      int64_t L, int64_t E, int64_t Ep, T scale, int causal) {
+    memset(xp, 0, sizeof(T) * DT_R * Ep);
+    for (int64_t r = 0; r < DT_R; r++)
+        for (int64_t e = 0; e < E; e++)
+            x[r * E + e] = xp[r * Ep + e] = r < nr ? a[(i0 + r) * E + e] * scale : 0;
+    return causal ? i0 + nr : L;
+}
+
+static inline int64_t dt_keys_S(int64_t i, int64_t n, int causal) {  /* row i's keys */
+    return causal && i + 1 < n ? i + 1 : n;
 }
 
 void attention_S(const T *q, const T *k, const T *v, T *out, int64_t h0, int64_t h1,
                  int64_t L, int64_t E, T scale, int causal) {
-    T p[L], qs[E], acc[E], kt[E * L];
+    const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
+    const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
+    T *kt = dt_alloc(sizeof(T) * (E * Lp + Lp * Ep + DT_R * (Lp + E + 2 * Ep)));
+    if (!kt) return;  /* (the caller checks the sizes; see _Attention) */
+    T *vp = kt + E * Lp, *s = vp + Lp * Ep, *qs = s + DT_R * Lp, *qp = qs + DT_R * E;
+    T *o = qp + DT_R * Ep;
     for (int64_t h = h0; h < h1; h++) {
-        const T *qh = q + h * L * E, *vh = v + h * L * E;
-        dt_transpose_S(k + h * L * E, kt, L, E);
-        for (int64_t i = 0; i < L; i++) {
-            for (int64_t e = 0; e < E; e++) qs[e] = qh[i * E + e] * scale;
-            int64_t n = dt_attention_row_S(qs, kt, p, i, L, E, causal);
-            for (int64_t e = 0; e < E; e++) acc[e] = 0;
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t e = 0; e < E; e++) acc[e] += p[j] * vh[j * E + e];
-            for (int64_t e = 0; e < E; e++) out[(h * L + i) * E + e] = acc[e];
+        dt_pad_S(k + h * L * E, kt, L, E, Lp, Ep, 1);
+        dt_pad_S(v + h * L * E, vp, L, E, Lp, Ep, 0);
+        for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
+            int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
+            int64_t n = dt_block_rows_S(q + h * L * E, qs, qp, i0, nr, L, E, Ep, scale, causal);
+            int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
+            T total[DT_R];
+            dt_rows_times_S(qs, kt, s, E, Lp, nv);
+            for (int64_t r = 0; r < DT_R; r++)
+                total[r] = dt_exp_row_S(s + r * Lp, dt_keys_S(i0 + r, n, causal), nv);
+            dt_rows_mix_S(s, vp, o, n, Lp, Ep);
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t e = 0; e < E; e++)
+                    out[(h * L + i0 + r) * E + e] = o[r * Ep + e] / total[r];
         }
     }
+    free(kt);
 }
 
-/* dq, dk, dv of heads h0..h1 into out (3, H, L, E) from the output's gradient g:
-   ds_ij = p_ij (g_i . v_j - g_i . o_i), dq_i = scale sum_j ds_ij k_j, dk_j = sum_i ds_ij q_i scale,
-   dv_j = sum_i p_ij g_i. */
+/* dq, dk, dv of heads h0..h1 into out (3, H, L, E) from the output's gradient g, recomputing
+   each block's p: ds_ij = p_ij (dp_ij - sum_j p_ij dp_ij) with dp = g v^T; dq = scale ds k,
+   dk = ds^T (scale q), dv = p^T g. */
 void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out, int64_t h0,
                           int64_t h1, int64_t H, int64_t L, int64_t E, T scale, int causal) {
-    T p[L], dp[L], qs[E], dq[E], kt[E * L], vt[E * L];
+    const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
+    const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
+    T *kt = dt_alloc(sizeof(T) * (2 * E * Lp + 3 * Lp * Ep + DT_R * (2 * Lp + 2 * E + 3 * Ep)));
+    if (!kt) return;
+    T *vt = kt + E * Lp, *kp = vt + E * Lp, *dk = kp + Lp * Ep, *dv = dk + Lp * Ep;
+    T *p = dv + Lp * Ep, *dp = p + DT_R * Lp, *qs = dp + DT_R * Lp, *gs = qs + DT_R * E;
+    T *qp = gs + DT_R * E, *gp = qp + DT_R * Ep, *o = gp + DT_R * Ep;
     for (int64_t h = h0; h < h1; h++) {
-        const T *gh = g + h * L * E, *qh = q + h * L * E, *kh = k + h * L * E;
         T *dqh = out + h * L * E, *dkh = out + (H + h) * L * E, *dvh = out + (2 * H + h) * L * E;
-        dt_transpose_S(kh, kt, L, E);
-        dt_transpose_S(v + h * L * E, vt, L, E);
-        for (int64_t x = 0; x < L * E; x++) dkh[x] = dvh[x] = 0;
-        for (int64_t i = 0; i < L; i++) {
-            for (int64_t e = 0; e < E; e++) qs[e] = qh[i * E + e] * scale;
-            int64_t n = dt_attention_row_S(qs, kt, p, i, L, E, causal);
-            const T *gi = gh + i * E;
-            for (int64_t j = 0; j < n; j++) dp[j] = 0;
-            for (int64_t e = 0; e < E; e++) {
-                const T ge = gi[e], *vr = vt + e * L;
-                for (int64_t j = 0; j < n; j++) dp[j] += ge * vr[j];
+        dt_pad_S(k + h * L * E, kt, L, E, Lp, Ep, 1);
+        dt_pad_S(v + h * L * E, vt, L, E, Lp, Ep, 1);
+        dt_pad_S(k + h * L * E, kp, L, E, Lp, Ep, 0);
+        memset(dk, 0, sizeof(T) * 2 * Lp * Ep);
+        for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
+            int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
+            int64_t n = dt_block_rows_S(q + h * L * E, qs, qp, i0, nr, L, E, Ep, scale, causal);
+            int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
+            dt_block_rows_S(g + h * L * E, gs, gp, i0, nr, L, E, Ep, 1, causal);
+            dt_rows_times_S(qs, kt, p, E, Lp, nv);
+            dt_rows_times_S(gs, vt, dp, E, Lp, nv);
+            for (int64_t r = 0; r < DT_R; r++) {
+                int64_t lim = dt_keys_S(i0 + r, n, causal);
+                T *pr = p + r * Lp, *dr = dp + r * Lp, total = dt_exp_row_S(pr, lim, nv), d = 0;
+                for (int64_t j = 0; j < lim; j++) { pr[j] /= total; d += pr[j] * dr[j]; }
+                for (int64_t j = 0; j < nv; j++) dr[j] = pr[j] * (dr[j] - d);
             }
-            T d = 0;
-            for (int64_t j = 0; j < n; j++) d += p[j] * dp[j];
-            for (int64_t e = 0; e < E; e++) dq[e] = 0;
-            for (int64_t j = 0; j < n; j++) {
-                const T ds = p[j] * (dp[j] - d), pj = p[j];
-                for (int64_t e = 0; e < E; e++) {
-                    dq[e] += ds * kh[j * E + e];
-                    dkh[j * E + e] += ds * qs[e];
-                    dvh[j * E + e] += pj * gi[e];
-                }
-            }
-            for (int64_t e = 0; e < E; e++) dqh[i * E + e] = dq[e] * scale;
+            dt_rows_mix_S(dp, kp, o, n, Lp, Ep);
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t e = 0; e < E; e++) dqh[(i0 + r) * E + e] = o[r * Ep + e] * scale;
+            dt_rows_scatter_S(dp, qp, dk, n, Lp, Ep);
+            dt_rows_scatter_S(p, gp, dv, n, Lp, Ep);
         }
+        for (int64_t j = 0; j < L; j++)
+            for (int64_t e = 0; e < E; e++) {
+                dkh[j * E + e] = dk[j * Ep + e];
+                dvh[j * E + e] = dv[j * Ep + e];
+            }
     }
+    free(kt);
 }
 
 /* p, m, v may be po, mo, vo themselves (an update in place): no restrict on those. */

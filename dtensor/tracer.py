@@ -155,11 +155,20 @@ def _at_run_time(params) -> bool:
     return any(isinstance(v, Slot) for v in params.values())
 
 
-class Tracer:
-    """Records a graph while active (``with Tracer() as t: ...``)."""
+def fused_kernels() -> bool:
+    """Whether the code running now is traced for a backend with fused kernels (dtensor.compile
+    with backend "c" or "triton")."""
+    return _ACTIVE is not None and _ACTIVE.kernels
 
-    def __init__(self):
+
+class Tracer:
+    """Records a graph while active (``with Tracer() as t: ...``). ``kernels``: the graph goes
+    to a backend that renders fused ops (attention) as kernels of their own, so a layer that
+    has a choice takes the fused op (see fused_kernels)."""
+
+    def __init__(self, kernels: bool = False):
         self.graph = Graph()
+        self.kernels = kernels
 
     def __enter__(self) -> "Tracer":
         global _ACTIVE

@@ -87,6 +87,6 @@ def test_flash_at_tensor_parallel_2(arch, rank):
 
 
 def test_unknown_kernel_is_a_clear_error():
-    with pytest.raises(ValueError, match="kernel must be 'math' or 'flash', got 'fast'"):
+    with pytest.raises(ValueError, match="kernel must be 'auto', 'math' or 'flash', got 'fast'"):
         with F.sdpa_kernel("fast"):
             pass

@@ -12,7 +12,7 @@ import reprlib
 
 import numpy as np
 
-from dtensor import random
+from dtensor import random, tracer
 from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
@@ -278,20 +278,24 @@ def cross_entropy(input, target, ignore_index: int = -100, reduction: str = "mea
     return mean.astype(input.dtype)
 
 
-_SDPA = {"kernel": "math"}
+_SDPA = {"kernel": "auto"}
 
 
 @contextlib.contextmanager
 def sdpa_kernel(kernel: str):
     """How scaled_dot_product_attention computes self-attention with no mask tensor or dropout
-    inside the block (as torch.nn.attention.sdpa_kernel): "math", the default, as matmul,
-    softmax, matmul; "flash", as one attention op, whose C and Triton kernels never write the
-    (L, L) scores whole and whose backward recomputes them: autograd keeps q, k and v, not the
-    (L, L) probabilities. On CPU "math" measured faster at every size tried, 1.2-1.8x
-    (benchmarks/attention.py: BLAS's GEMMs against the C kernel's vector loops), so "flash" is
-    for memory, not speed. A compiled function keeps the choice it was traced with."""
-    if kernel not in ("math", "flash"):
-        raise ValueError(f"sdpa_kernel: kernel must be 'math' or 'flash', got {kernel!r}.")
+    inside the block (as torch.nn.attention.sdpa_kernel): "math", as matmul, softmax, matmul;
+    "flash", as one attention op, whose C and Triton kernels never write the (L, L) scores
+    whole and whose backward recomputes them: autograd keeps q, k and v, not the (L, L)
+    probabilities; "auto", the default: "flash" where a kernel runs it (in a function traced
+    by dtensor.compile for the C or Triton backend), "math" elsewhere (eager, and the numpy
+    backend, whose attention would be numpy's GEMMs plus a recomputing backward). The C kernel
+    is register-tiled and skips the keys a causal block cannot see: it measured faster than
+    BLAS's GEMMs plus the C softmax kernels at every size in benchmarks/attention.py. A compiled
+    function keeps the choice it was traced with."""
+    if kernel not in ("auto", "math", "flash"):
+        raise ValueError(f"sdpa_kernel: kernel must be 'auto', 'math' or 'flash', got "
+                         f"{kernel!r}.")
     before, _SDPA["kernel"] = _SDPA["kernel"], kernel
     try:
         yield
@@ -322,7 +326,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or "
                          "is_causal=True, not both.")
-    if (_SDPA["kernel"] == "flash" and attn_mask is None and (dropout_p == 0.0 or not training)
+    kernel = _SDPA["kernel"]
+    flash = kernel == "flash" or (kernel == "auto" and tracer.fused_kernels())
+    if (flash and attn_mask is None and (dropout_p == 0.0 or not training)
             and tuple(query.shape) == tuple(key.shape) == tuple(value.shape)):
         return nnops.attention(query, key, value, scale=float(scale), causal=is_causal)
     att = (query * scale) @ key.mT  # (..., L, S); scaling q touches L*E, not L*S, elements

@@ -80,6 +80,9 @@ static inline double_vec dt_vfma_f64(double_vec a, double_vec b, double_vec c) {
 #endif
 }
 
+/* (not 0 + x: without -ffast-math the compiler must keep that addition, for -0) */
+static inline float_vec dt_vset_f32(float x) { return (float_vec){x, x, x, x, x, x, x, x}; }
+static inline double_vec dt_vset_f64(double x) { return (double_vec){x, x, x, x}; }
 static inline float_vec dt_vload_f32(const float *p) { float_vec v; memcpy(&v, p, 32); return v; }
 static inline double_vec dt_vload_f64(const double *p) { double_vec v; memcpy(&v, p, 32); return v; }
 static inline void dt_vstore_f32(float *p, float_vec v) { memcpy(p, &v, 32); }
@@ -180,7 +183,7 @@ static inline void dt_rows_times_S(const T *a, const T *bt, T *s, int64_t E, int
         for (int64_t e = 0; e < E; e++) {
             VEC(T) b0 = dt_vload_S(bt + e * Lp + j), b1 = dt_vload_S(bt + e * Lp + j + W);
             for (int r = 0; r < DT_R; r++) {
-                VEC(T) x = (VEC(T)){0} + a[r * E + e];
+                VEC(T) x = dt_vset_S(a[r * E + e]);
                 acc[r][0] = dt_vfma_S(b0, x, acc[r][0]);
                 acc[r][1] = dt_vfma_S(b1, x, acc[r][1]);
             }
@@ -201,7 +204,7 @@ static inline void dt_rows_mix_S(const T *p, const T *b, T *o, int64_t n, int64_
         for (int64_t j = 0; j < n; j++) {
             VEC(T) b0 = dt_vload_S(b + j * Ep + c), b1 = dt_vload_S(b + j * Ep + c + W);
             for (int r = 0; r < DT_R; r++) {
-                VEC(T) x = (VEC(T)){0} + p[r * Lp + j];
+                VEC(T) x = dt_vset_S(p[r * Lp + j]);
                 acc[r][0] = dt_vfma_S(b0, x, acc[r][0]);
                 acc[r][1] = dt_vfma_S(b1, x, acc[r][1]);
             }
@@ -226,7 +229,7 @@ static inline void dt_rows_scatter_S(const T *p, const T *x, T *acc, int64_t n, 
             T *d = acc + j * Ep + c;
             VEC(T) d0 = dt_vload_S(d), d1 = dt_vload_S(d + W);
             for (int r = 0; r < DT_R; r++) {
-                VEC(T) y = (VEC(T)){0} + p[r * Lp + j];
+                VEC(T) y = dt_vset_S(p[r * Lp + j]);
                 d0 = dt_vfma_S(xv[r][0], y, d0);
                 d1 = dt_vfma_S(xv[r][1], y, d1);
             }
@@ -236,24 +239,46 @@ static inline void dt_rows_scatter_S(const T *p, const T *x, T *acc, int64_t n, 
     }
 }
 
-/* A row of scores -> exp(s - max) over its keys j < lim, 0 from lim to nv; returns their sum. */
+/* A row of scores -> exp(s - max) over its keys j < lim, 0 from lim to nv; returns their sum.
+   Every loop runs to nv, a whole number of vectors, the keys past lim at -inf (exp gives 0):
+   a loop to lim left a scalar tail of up to 15 exps a row, which cost more than the vectors. */
 static inline T dt_exp_row_S(T *s, int64_t lim, int64_t nv) {
-    T m = -INFINITY, acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t j = 0; j < lim; j++) m = s[j] > m ? s[j] : m;
+    T mx[8], acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m = -INFINITY;
+    for (int64_t j = lim; j < nv; j++) s[j] = -INFINITY;
+    for (int l = 0; l < 8; l++) mx[l] = -INFINITY;
+    for (int64_t j = 0; j < nv; j += 8)
+        for (int l = 0; l < 8; l++) mx[l] = s[j + l] > mx[l] ? s[j + l] : mx[l];
+    for (int l = 0; l < 8; l++) m = mx[l] > m ? mx[l] : m;
+    for (int64_t j = 0; j < nv; j++) s[j] = dt_exp_S(s[j] - m);
+    for (int64_t j = 0; j < nv; j += 8)
+        for (int l = 0; l < 8; l++) acc[l] += s[j + l];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+static inline T dt_dot_S(const T *a, const T *b, int64_t n) {  /* in 8 lanes */
+    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum;
     int64_t j = 0;
-    for (; j + 8 <= lim; j += 8)
-        for (int l = 0; l < 8; l++) { s[j + l] = dt_exp_S(s[j + l] - m); acc[l] += s[j + l]; }
-    T sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; j < lim; j++) { s[j] = dt_exp_S(s[j] - m); sum += s[j]; }
-    for (; j < nv; j++) s[j] = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[j + l] * b[j + l];
+    sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < n; j++) sum += a[j] * b[j];
     return sum;
 }
 
-static inline void dt_pad_S(const T *a, T *to, int64_t L, int64_t E, int64_t Lp, int64_t Ep,
-                            int transpose) {  /* (L, E) -> (Lp, Ep), or (E, Lp) transposed */
-    memset(to, 0, sizeof(T) * (transpose ? E * Lp : Lp * Ep));
-    for (int64_t j = 0; j < L; j++)
-        for (int64_t e = 0; e < E; e++) to[transpose ? e * Lp + j : j * Ep + e] = a[j * E + e];
+static inline void dt_pad_t_S(const T *a, T *to, int64_t L, int64_t E, int64_t Lp) {
+    for (int64_t e = 0; e < E; e++) {  /* (L, E) -> (E, Lp): K or V transposed, zero past L */
+        for (int64_t j = 0; j < L; j++) to[e * Lp + j] = a[j * E + e];
+        for (int64_t j = L; j < Lp; j++) to[e * Lp + j] = 0;
+    }
+}
+
+static inline const T *dt_pad_S(const T *a, T *to, int64_t L, int64_t E, int64_t Ep) {
+    if (E == Ep) return a;  /* (L, E) -> rows of Ep, zero past E: a itself when E is Ep */
+    for (int64_t j = 0; j < L; j++) {
+        memcpy(to + j * Ep, a + j * E, sizeof(T) * E);
+        memset(to + j * Ep + E, 0, sizeof(T) * (Ep - E));
+    }
+    return to;
 }
 
 /* Rows i0.. of a block (nr of them; the rest zero): a (scaled) into x (DT_R rows of E) and
@@ -280,8 +305,8 @@ void attention_S(const T *q, const T *k, const T *v, T *out, int64_t h0, int64_t
     T *vp = kt + E * Lp, *s = vp + Lp * Ep, *qs = s + DT_R * Lp, *qp = qs + DT_R * E;
     T *o = qp + DT_R * Ep;
     for (int64_t h = h0; h < h1; h++) {
-        dt_pad_S(k + h * L * E, kt, L, E, Lp, Ep, 1);
-        dt_pad_S(v + h * L * E, vp, L, E, Lp, Ep, 0);
+        dt_pad_t_S(k + h * L * E, kt, L, E, Lp);
+        const T *vh = dt_pad_S(v + h * L * E, vp, L, E, Ep);
         for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
             int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
             int64_t n = dt_block_rows_S(q + h * L * E, qs, qp, i0, nr, L, E, Ep, scale, causal);
@@ -290,7 +315,7 @@ void attention_S(const T *q, const T *k, const T *v, T *out, int64_t h0, int64_t
             dt_rows_times_S(qs, kt, s, E, Lp, nv);
             for (int64_t r = 0; r < DT_R; r++)
                 total[r] = dt_exp_row_S(s + r * Lp, dt_keys_S(i0 + r, n, causal), nv);
-            dt_rows_mix_S(s, vp, o, n, Lp, Ep);
+            dt_rows_mix_S(s, vh, o, n, Lp, Ep);
             for (int64_t r = 0; r < nr; r++)
                 for (int64_t e = 0; e < E; e++)
                     out[(h * L + i0 + r) * E + e] = o[r * Ep + e] / total[r];
@@ -313,10 +338,12 @@ void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out
     T *qp = gs + DT_R * E, *gp = qp + DT_R * Ep, *o = gp + DT_R * Ep;
     for (int64_t h = h0; h < h1; h++) {
         T *dqh = out + h * L * E, *dkh = out + (H + h) * L * E, *dvh = out + (2 * H + h) * L * E;
-        dt_pad_S(k + h * L * E, kt, L, E, Lp, Ep, 1);
-        dt_pad_S(v + h * L * E, vt, L, E, Lp, Ep, 1);
-        dt_pad_S(k + h * L * E, kp, L, E, Lp, Ep, 0);
-        memset(dk, 0, sizeof(T) * 2 * Lp * Ep);
+        dt_pad_t_S(k + h * L * E, kt, L, E, Lp);
+        dt_pad_t_S(v + h * L * E, vt, L, E, Lp);
+        const T *kh = dt_pad_S(k + h * L * E, kp, L, E, Ep);
+        T *dkh_ = E == Ep ? dkh : dk, *dvh_ = E == Ep ? dvh : dv;  /* accumulate in place */
+        memset(dkh_, 0, sizeof(T) * L * Ep);
+        memset(dvh_, 0, sizeof(T) * L * Ep);
         for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
             int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
             int64_t n = dt_block_rows_S(q + h * L * E, qs, qp, i0, nr, L, E, Ep, scale, causal);
@@ -326,17 +353,18 @@ void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out
             dt_rows_times_S(gs, vt, dp, E, Lp, nv);
             for (int64_t r = 0; r < DT_R; r++) {
                 int64_t lim = dt_keys_S(i0 + r, n, causal);
-                T *pr = p + r * Lp, *dr = dp + r * Lp, total = dt_exp_row_S(pr, lim, nv), d = 0;
-                for (int64_t j = 0; j < lim; j++) { pr[j] /= total; d += pr[j] * dr[j]; }
+                T *pr = p + r * Lp, *dr = dp + r * Lp, total = dt_exp_row_S(pr, lim, nv);
+                for (int64_t j = 0; j < lim; j++) pr[j] /= total;
+                T d = dt_dot_S(pr, dr, lim);
                 for (int64_t j = 0; j < nv; j++) dr[j] = pr[j] * (dr[j] - d);
             }
-            dt_rows_mix_S(dp, kp, o, n, Lp, Ep);
+            dt_rows_mix_S(dp, kh, o, n, Lp, Ep);
             for (int64_t r = 0; r < nr; r++)
                 for (int64_t e = 0; e < E; e++) dqh[(i0 + r) * E + e] = o[r * Ep + e] * scale;
-            dt_rows_scatter_S(dp, qp, dk, n, Lp, Ep);
-            dt_rows_scatter_S(p, gp, dv, n, Lp, Ep);
+            dt_rows_scatter_S(dp, qp, dkh_, n, Lp, Ep);
+            dt_rows_scatter_S(p, gp, dvh_, n, Lp, Ep);
         }
-        for (int64_t j = 0; j < L; j++)
+        for (int64_t j = 0; E < Ep && j < L; j++)
             for (int64_t e = 0; e < E; e++) {
                 dkh[j * E + e] = dk[j * Ep + e];
                 dvh[j * E + e] = dv[j * Ep + e];

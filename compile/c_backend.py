@@ -172,8 +172,10 @@ void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off,
    an (L, L) matrix; a causal block reads only the keys up to its last row. The products are
    register-tiled: dt_rows_times (scores = rows x K^T), dt_rows_mix (rows of p x V) and
    dt_rows_scatter (K's and V's gradients += p^T x rows), each holding DT_R x 2 vectors of
-   accumulators. One head's K and V sit transposed (E rows of Lp) or padded (Lp rows of Ep),
-   Lp and Ep whole pairs of vectors, zero past L and E, so no loop has a tail. */
+   accumulators. One head's K and V sit transposed (E rows of Lp) or padded (rows of Ep), Lp
+   and Ep whole pairs of vectors, zero past L and E, so no loop has a tail.
+   Every tensor is read and written where it lies: head h of tensor t starts at off[t H + h]
+   and its rows are rs[t] apart (the (B, T, heads, E) projections need no transposing copy). */
 static inline void dt_rows_times_S(const T *a, const T *bt, T *s, int64_t E, int64_t Lp,
                                    int64_t nv) {  /* s[r][j<nv] = sum_e a[r][e] bt[e][j] */
     const int64_t W = DT_W(T);
@@ -265,30 +267,37 @@ static inline T dt_dot_S(const T *a, const T *b, int64_t n) {  /* in 8 lanes */
     return sum;
 }
 
-static inline void dt_pad_t_S(const T *a, T *to, int64_t L, int64_t E, int64_t Lp) {
-    for (int64_t e = 0; e < E; e++) {  /* (L, E) -> (E, Lp): K or V transposed, zero past L */
-        for (int64_t j = 0; j < L; j++) to[e * Lp + j] = a[j * E + e];
+static inline void dt_pad_t_S(const T *a, int64_t rs, T *to, int64_t L, int64_t E,
+                              int64_t Lp) {  /* L rows of E -> (E, Lp), zero past L */
+    for (int64_t j = 0; j < L; j++)  /* each row read once: rows rs apart may share sets */
+        for (int64_t e = 0; e < E; e++) to[e * Lp + j] = a[j * rs + e];
+    for (int64_t e = 0; e < E; e++)
         for (int64_t j = L; j < Lp; j++) to[e * Lp + j] = 0;
-    }
 }
 
-static inline const T *dt_pad_S(const T *a, T *to, int64_t L, int64_t E, int64_t Ep) {
-    if (E == Ep) return a;  /* (L, E) -> rows of Ep, zero past E: a itself when E is Ep */
+/* L rows of E, rs apart -> rows of Ep, zero past E; a itself when its rows are that already.
+   (Rows a power-of-two stride apart, the heads of a (T, heads, E) projection, fall in a few
+   cache sets: read in place they thrashed L1, measured slower than this copy.) */
+static inline const T *dt_pad_S(const T *a, int64_t rs, T *to, int64_t L, int64_t E,
+                                int64_t Ep) {
+    if (E == Ep && rs == Ep) return a;
     for (int64_t j = 0; j < L; j++) {
-        memcpy(to + j * Ep, a + j * E, sizeof(T) * E);
+        memcpy(to + j * Ep, a + j * rs, sizeof(T) * E);
         memset(to + j * Ep + E, 0, sizeof(T) * (Ep - E));
     }
     return to;
 }
 
-/* Rows i0.. of a block (nr of them; the rest zero): a (scaled) into x (DT_R rows of E) and
-   xp (DT_R rows of Ep). Returns the keys the block reads: up to its last row if causal. */
-static inline int64_t dt_block_rows_S(const T *a, T *x, T *xp, int64_t i0, int64_t nr,
-                                      int64_t L, int64_t E, int64_t Ep, T scale, int causal) {
+/* Rows i0.. of a block (nr of them, rs apart; the rest zero): a (scaled) into x (DT_R rows
+   of E) and xp (DT_R rows of Ep). Returns the keys the block reads: up to its last row if
+   causal. */
+static inline int64_t dt_block_rows_S(const T *a, int64_t rs, T *x, T *xp, int64_t i0,
+                                      int64_t nr, int64_t L, int64_t E, int64_t Ep, T scale,
+                                      int causal) {
     memset(xp, 0, sizeof(T) * DT_R * Ep);
     for (int64_t r = 0; r < DT_R; r++)
         for (int64_t e = 0; e < E; e++)
-            x[r * E + e] = xp[r * Ep + e] = r < nr ? a[(i0 + r) * E + e] * scale : 0;
+            x[r * E + e] = xp[r * Ep + e] = r < nr ? a[(i0 + r) * rs + e] * scale : 0;
     return causal ? i0 + nr : L;
 }
 
@@ -296,20 +305,24 @@ static inline int64_t dt_keys_S(int64_t i, int64_t n, int causal) {  /* row i's 
     return causal && i + 1 < n ? i + 1 : n;
 }
 
-void attention_S(const T *q, const T *k, const T *v, T *out, int64_t h0, int64_t h1,
-                 int64_t L, int64_t E, T scale, int causal) {
+/* q, k, v, out: tensors 0-3 of off and rs. */
+void attention_S(const T *q, const T *k, const T *v, T *out, const int64_t *off,
+                 const int64_t *rs, int64_t h0, int64_t h1, int64_t H, int64_t L, int64_t E,
+                 T scale, int causal) {
     const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
     const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
     T *kt = dt_alloc(sizeof(T) * (E * Lp + Lp * Ep + DT_R * (Lp + E + 2 * Ep)));
-    if (!kt) return;  /* (the caller checks the sizes; see _Attention) */
+    if (!kt) return;  /* (a few (L, E) blocks: the caller's arrays are far larger) */
     T *vp = kt + E * Lp, *s = vp + Lp * Ep, *qs = s + DT_R * Lp, *qp = qs + DT_R * E;
     T *o = qp + DT_R * Ep;
     for (int64_t h = h0; h < h1; h++) {
-        dt_pad_t_S(k + h * L * E, kt, L, E, Lp);
-        const T *vh = dt_pad_S(v + h * L * E, vp, L, E, Ep);
+        T *oh = out + off[3 * H + h];
+        dt_pad_t_S(k + off[H + h], rs[1], kt, L, E, Lp);
+        const T *vh = dt_pad_S(v + off[2 * H + h], rs[2], vp, L, E, Ep);
         for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
             int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
-            int64_t n = dt_block_rows_S(q + h * L * E, qs, qp, i0, nr, L, E, Ep, scale, causal);
+            int64_t n = dt_block_rows_S(q + off[h], rs[0], qs, qp, i0, nr, L, E, Ep, scale,
+                                        causal);
             int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
             T total[DT_R];
             dt_rows_times_S(qs, kt, s, E, Lp, nv);
@@ -318,17 +331,18 @@ void attention_S(const T *q, const T *k, const T *v, T *out, int64_t h0, int64_t
             dt_rows_mix_S(s, vh, o, n, Lp, Ep);
             for (int64_t r = 0; r < nr; r++)
                 for (int64_t e = 0; e < E; e++)
-                    out[(h * L + i0 + r) * E + e] = o[r * Ep + e] / total[r];
+                    oh[(i0 + r) * rs[3] + e] = o[r * Ep + e] / total[r];
         }
     }
     free(kt);
 }
 
-/* dq, dk, dv of heads h0..h1 into out (3, H, L, E) from the output's gradient g, recomputing
-   each block's p: ds_ij = p_ij (dp_ij - sum_j p_ij dp_ij) with dp = g v^T; dq = scale ds k,
-   dk = ds^T (scale q), dv = p^T g. */
-void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out, int64_t h0,
-                          int64_t h1, int64_t H, int64_t L, int64_t E, T scale, int causal) {
+/* The gradients of q, k, v from the output's gradient g (tensors 0-6 of off and rs: g, q, k, v,
+   dq, dk, dv), recomputing each block's p: ds_ij = p_ij (dp_ij - sum_j p_ij dp_ij) with
+   dp = g v^T; dq = scale ds k, dk = ds^T (scale q), dv = p^T g. */
+void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out,
+                          const int64_t *off, const int64_t *rs, int64_t h0, int64_t h1,
+                          int64_t H, int64_t L, int64_t E, T scale, int causal) {
     const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
     const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
     T *kt = dt_alloc(sizeof(T) * (2 * E * Lp + 3 * Lp * Ep + DT_R * (2 * Lp + 2 * E + 3 * Ep)));
@@ -337,18 +351,21 @@ void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out
     T *p = dv + Lp * Ep, *dp = p + DT_R * Lp, *qs = dp + DT_R * Lp, *gs = qs + DT_R * E;
     T *qp = gs + DT_R * E, *gp = qp + DT_R * Ep, *o = gp + DT_R * Ep;
     for (int64_t h = h0; h < h1; h++) {
-        T *dqh = out + h * L * E, *dkh = out + (H + h) * L * E, *dvh = out + (2 * H + h) * L * E;
-        dt_pad_t_S(k + h * L * E, kt, L, E, Lp);
-        dt_pad_t_S(v + h * L * E, vt, L, E, Lp);
-        const T *kh = dt_pad_S(k + h * L * E, kp, L, E, Ep);
-        T *dkh_ = E == Ep ? dkh : dk, *dvh_ = E == Ep ? dvh : dv;  /* accumulate in place */
-        memset(dkh_, 0, sizeof(T) * L * Ep);
-        memset(dvh_, 0, sizeof(T) * L * Ep);
+        T *dqh = out + off[4 * H + h], *dkh = out + off[5 * H + h], *dvh = out + off[6 * H + h];
+        dt_pad_t_S(k + off[2 * H + h], rs[2], kt, L, E, Lp);
+        dt_pad_t_S(v + off[3 * H + h], rs[3], vt, L, E, Lp);
+        const T *kh = dt_pad_S(k + off[2 * H + h], rs[2], kp, L, E, Ep);
+        /* K's and V's gradients accumulate where they go when those rows are Ep apart */
+        int inplace = E == Ep && rs[5] == Ep && rs[6] == Ep;
+        T *dka = inplace ? dkh : dk, *dva = inplace ? dvh : dv;
+        memset(dka, 0, sizeof(T) * L * Ep);
+        memset(dva, 0, sizeof(T) * L * Ep);
         for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
             int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
-            int64_t n = dt_block_rows_S(q + h * L * E, qs, qp, i0, nr, L, E, Ep, scale, causal);
+            int64_t n = dt_block_rows_S(q + off[H + h], rs[1], qs, qp, i0, nr, L, E, Ep, scale,
+                                        causal);
             int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
-            dt_block_rows_S(g + h * L * E, gs, gp, i0, nr, L, E, Ep, 1, causal);
+            dt_block_rows_S(g + off[h], rs[0], gs, gp, i0, nr, L, E, Ep, 1, causal);
             dt_rows_times_S(qs, kt, p, E, Lp, nv);
             dt_rows_times_S(gs, vt, dp, E, Lp, nv);
             for (int64_t r = 0; r < DT_R; r++) {
@@ -360,14 +377,14 @@ void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out
             }
             dt_rows_mix_S(dp, kh, o, n, Lp, Ep);
             for (int64_t r = 0; r < nr; r++)
-                for (int64_t e = 0; e < E; e++) dqh[(i0 + r) * E + e] = o[r * Ep + e] * scale;
-            dt_rows_scatter_S(dp, qp, dkh_, n, Lp, Ep);
-            dt_rows_scatter_S(p, gp, dvh_, n, Lp, Ep);
+                for (int64_t e = 0; e < E; e++) dqh[(i0 + r) * rs[4] + e] = o[r * Ep + e] * scale;
+            dt_rows_scatter_S(dp, qp, dka, n, Lp, Ep);
+            dt_rows_scatter_S(p, gp, dva, n, Lp, Ep);
         }
-        for (int64_t j = 0; E < Ep && j < L; j++)
+        for (int64_t j = 0; !inplace && j < L; j++)
             for (int64_t e = 0; e < E; e++) {
-                dkh[j * E + e] = dk[j * Ep + e];
-                dvh[j * E + e] = dv[j * Ep + e];
+                dkh[j * rs[5] + e] = dk[j * Ep + e];
+                dvh[j * rs[6] + e] = dv[j * Ep + e];
             }
     }
     free(kt);
@@ -819,22 +836,49 @@ class _IndexAdd(kernels.IndexAdd):
 
 class _Attention(kernels.Attention):
     """attention and its backward, heads split over threads: a query row's scores are a row of
-    the stack, never an (L, L) matrix."""
+    the stack, never an (L, L) matrix. The kernel reads its inputs where they lie (each head's
+    offset and the row stride), and its results go out token-major, as PyTorch's CPU flash
+    kernel does: a (..., heads, L, E) result is a view of (..., L, heads, E) memory, so the
+    model's usual transpose back to (B, T, heads, E) and reshape to (B, T, C) copy nothing."""
 
     def __init__(self, n: Node):
         super().__init__(n)
         self.name = f"{n.name}_{_SUFFIX[_CTYPE[self.dtype]]}"
         real = ctypes.c_float if self.dtype == np.float32 else ctypes.c_double
-        k = 5 if self.backward else 4
-        self.argtypes = [_P] * k + [_I] * k + [real, ctypes.c_int]
+        self.argtypes = [_P] * (7 if self.backward else 6) + [_I] * 5 + [real, ctypes.c_int]
+        self._layouts: dict = {}
+
+    def _layout(self, a: np.ndarray):
+        """(offset of each (L, E) block, row stride) in elements, of an array whose rows are
+        contiguous; None otherwise."""
+        key = (a.shape, a.strides)
+        if key not in self._layouts:
+            item, steps = a.itemsize, a.strides
+            found = None
+            if steps[-1] == item and all(s % item == 0 for s in steps):
+                off = np.zeros((), np.int64)
+                for n, s in zip(a.shape[:-2], steps[:-2]):
+                    off = np.add.outer(off, np.arange(n, dtype=np.int64) * (s // item))
+                found = (off.ravel(), steps[-2] // item)
+            self._layouts[key] = found
+        return self._layouts[key]
 
     def __call__(self, *inputs, out=None):
-        arrays, out = [np.ascontiguousarray(a) for a in inputs], self.alloc(out)
-        tail = ((self.H,) if self.backward else ()) + (self.L, self.E, self.scale,
-                                                       int(self.causal))
+        out = self.alloc(out)
+        if out.ndim >= 3 + self.backward and out.flags.c_contiguous:
+            lead, (heads, L, E) = out.shape[:-3], out.shape[-3:]  # (..., L, heads, E) memory
+            out = out.reshape(*lead, L, heads, E).swapaxes(-2, -3)
+        arrays = [a if self._layout(a) else np.ascontiguousarray(a) for a in inputs]
+        layouts = [self._layout(a) for a in arrays]
+        for part in (out[0], out[1], out[2]) if self.backward else (out,):
+            o, r = self._layout(part)  # (offsets from out[0]: one pointer for dq, dk, dv)
+            layouts.append((o + (_ptr(part) - _ptr(out)) // out.itemsize, r))
+        off = np.concatenate([o for o, _ in layouts])
+        rs = np.array([r for _, r in layouts], np.int64)
         if self.H and self.L and self.E:  # (the work: L^2 E multiply-adds a head)
-            _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.H,
-                      self.H * self.L * self.L * self.E, tail)
+            _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out), _ptr(off), _ptr(rs)),
+                      self.H, self.H * self.L * self.L * self.E,
+                      (self.H, self.L, self.E, self.scale, int(self.causal)))
         return out
 
 

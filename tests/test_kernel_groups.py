@@ -79,6 +79,21 @@ GROUPS = {  # id: (function of tensors, inputs, differentiated inputs, row resul
     "attention": (lambda q, k, v: (_flash(q, k, v) * 2.0,),
                   lambda: [_x(6, 17, 16, spread=2.0), _x(6, 17, 16, seed=1, spread=2.0),
                            _x(6, 17, 16, seed=2)], (0, 1, 2), True),
+    # the C kernel reads heads where they lie and writes token-major: (B, T, heads, E)
+    # projections transposed in and out, heads cut from one fused qkv projection (rows 3x
+    # wider than a head's), five dims with E padded to whole vectors
+    "attention_token_major": (
+        lambda q, k, v: (_flash(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+                         .transpose(1, 2).reshape(2, 13, 48),),
+        lambda: [_x(2, 13, 3, 16, spread=2.0), _x(2, 13, 3, 16, seed=1, spread=2.0),
+                 _x(2, 13, 3, 16, seed=2)], (0, 1, 2), True),
+    "attention_fused_qkv": (
+        lambda x: (_flash(*(x.reshape(2, 11, 3, 2, 32)[:, :, j].transpose(1, 2)
+                            for j in range(3)), is_causal=True),),
+        lambda: [_x(2, 11, 192, spread=2.0)], (0,), True),
+    "attention_5d": (lambda q, k, v: (_flash(q, k, v),),
+                     lambda: [_x(2, 2, 2, 9, 24, spread=2.0), _x(2, 2, 2, 9, 24, seed=1, spread=2.0),
+                              _x(2, 2, 2, 9, 24, seed=2)], (0, 1, 2), True),
     "log_softmax_mix": (lambda x: (F.log_softmax(x, -1) * 0.25 + x,), lambda: [_x(6, 64)],
                         (0,), True),
     "cross_entropy": (lambda x, t: (F.cross_entropy(x, t),),

@@ -66,10 +66,11 @@ def vocab_parallel_nll(x: DTensor, target: DTensor, valid: DTensor):
     """Per-token negative log-likelihood (0 where not ``valid``) of class-sharded logits
     ``x``; the result is whole (not Partial) over the class mesh dims."""
     m = x.detach().max(-1, keepdims=True)  # all-reduce 1 (max); a constant for the gradient
-    z = x - m
-    lse = z.exp().sum(-1).log()  # all-reduce 2 (sum of exponentials), before the log
+    # x - m feeds exp alone, so a compiled step fuses them and never stores it (the target's
+    # x - m below is the same float operation on the same two numbers)
+    lse = (x - m).exp().sum(-1).log()  # all-reduce 2 (sum of exponentials), before the log
     safe = pw.where(valid, target, 0)  # an ignored row still needs an in-range index
-    picked = st.gather(z, safe.unsqueeze(-1), axis=z.ndim - 1).squeeze(-1)  # Partial
+    picked = st.gather(x, safe.unsqueeze(-1), axis=x.ndim - 1).squeeze(-1) - m.squeeze(-1)
     # All-reduce 3: the target's logit lives on one rank. Reducing it here keeps the loss
     # per token whole (reduction="none" gives real values) and the backward free of
     # communication: the gradient of a redistribute from Partial passes through as it is.

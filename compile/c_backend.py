@@ -84,7 +84,9 @@ static inline double_vec dt_vfma_f64(double_vec a, double_vec b, double_vec c) {
 static inline float_vec dt_vset_f32(float x) { return (float_vec){x, x, x, x, x, x, x, x}; }
 static inline double_vec dt_vset_f64(double x) { return (double_vec){x, x, x, x}; }
 static inline float_vec dt_vload_f32(const float *p) { float_vec v; memcpy(&v, p, 32); return v; }
-static inline double_vec dt_vload_f64(const double *p) { double_vec v; memcpy(&v, p, 32); return v; }
+static inline double_vec dt_vload_f64(const double *p) {
+    double_vec v; memcpy(&v, p, 32); return v;
+}
 static inline void dt_vstore_f32(float *p, float_vec v) { memcpy(p, &v, 32); }
 static inline void dt_vstore_f64(double *p, double_vec v) { memcpy(p, &v, 32); }
 
@@ -738,9 +740,9 @@ class _Kernel(kernels.Kernel):
                for k, lay in enumerate(self.inputs)]
         keys = "".join(f", uint64_t {key}" for key in self.keys)
         C, L = self.C, self.L
-        rows = any(e.prim in X.REDUCTIONS for e in self.nodes)
+        rows = "DT_ROWS " if any(e.prim in X.REDUCTIONS for e in self.nodes) else ""
         lines = [f"/* {self.label} */",
-                 f"{'DT_ROWS ' if rows else ''}void {name}({', '.join(ins + [f'{T} *restrict out'])}, int64_t r0, "
+                 f"{rows}void {name}({', '.join(ins + [f'{T} *restrict out'])}, int64_t r0, "
                  f"int64_t r1{keys}) {{", "    for (int64_t r = r0; r < r1; r++) {"]
         for k, lay in enumerate(self.inputs):
             off = " + ".join(f"((r / {i}) % {n}) * {st}" for i, n, st in lay.terms) or "0"

@@ -1,7 +1,8 @@
-"""The attention op (``sdpa_kernel("flash")``): on a GPT and a Llama (grouped-query heads), in
-one process and at tensor-parallel 2, eager and compiled on every backend, the loss and the
-gradients are those of the "math" path (matmul, softmax, matmul) run in one process. Its own
-values against numpy are in tests/test_ops.py, its kernels' accuracy in test_kernel_groups.py."""
+"""The attention op (``sdpa_kernel("flash")``, and the default "auto" where a kernel runs it):
+on a GPT and a Llama (grouped-query heads), in one process and at tensor-parallel 2, eager and
+compiled on every backend, the loss and the gradients are those of the "math" path (matmul,
+softmax, matmul) run in one process. Its own values against numpy are in tests/test_ops.py, its
+kernels' accuracy in test_kernel_groups.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,6 +68,26 @@ def test_flash_equals_math_in_one_process(arch, backend):
     if backend in ("c", "triton"):
         names = [n.name for n in run.last.graph.nodes if n.kind == backend]
         assert {"attention", "attention_backward"} <= set(names), names
+
+
+@pytest.mark.parametrize("backend", [None, "numpy", "c", "triton"])
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_auto_is_the_attention_op_where_a_kernel_runs_it(arch, backend, monkeypatch):
+    """sdpa_kernel's default ("auto"): the attention op in a function traced for the C or
+    Triton backend, the math path in eager and on the numpy backend; the loss and gradients
+    are the math path's."""
+    calls = []
+    op = F.nnops.attention
+    monkeypatch.setattr(F.nnops, "attention", lambda *a, **k: calls.append(1) or op(*a, **k))
+    want_loss, want_grads, *_ = _run(arch, "math")
+    loss, grads, run, _ = _run(arch, "auto", backend)
+    assert bool(calls) == (backend in ("c", "triton")), (backend, len(calls))
+    if backend in ("c", "triton"):
+        names = [n.name for n in run.last.graph.nodes if n.kind == backend]
+        assert {"attention", "attention_backward"} <= set(names), names
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.ranks(2, timeout=300)

@@ -14,8 +14,10 @@ threads of :func:`num_threads` and run in parallel.
 
 Results match numpy's to float rounding, not bit for bit: the same formulas in the same order
 (``-ffp-contract=off``: no fused multiply-adds numpy would not do), but exp, log and the
-reductions' summation order differ in the last bits. Matmuls, collectives, gathers and anything
-not listed stay numpy calls.
+reductions' summation order differ in the last bits. The attention kernels' products are the
+exception: their register tiles multiply-add with one rounding where the CPU has FMA, as BLAS's
+GEMMs in the math path do. Matmuls, collectives, gathers and anything not listed stay numpy
+calls.
 """
 from __future__ import annotations
 
@@ -89,10 +91,6 @@ static inline double_vec dt_vload_f64(const double *p) {
 }
 static inline void dt_vstore_f32(float *p, float_vec v) { memcpy(p, &v, 32); }
 static inline void dt_vstore_f64(double *p, double_vec v) { memcpy(p, &v, 32); }
-
-static inline void *dt_alloc(size_t bytes) {  /* on cache lines: a vector never straddles two */
-    return aligned_alloc(64, (bytes + 63) / 64 * 64);
-}
 
 /* A kernel with row reductions: GCC vectorises its 8-lane sums as one 256-bit vector each;
    allowed 512-bit vectors (-march=native on an AVX-512 CPU) it split them into scalar shuffles,
@@ -316,14 +314,21 @@ static inline int64_t dt_keys_S(int64_t i, int64_t n, int causal) {  /* row i's 
     return causal && i + 1 < n ? i + 1 : n;
 }
 
-/* q, k, v, out: tensors 0-3 of off and rs. */
-void attention_S(const T *q, const T *k, const T *v, T *out, const int64_t *off,
-                 const int64_t *rs, int64_t h0, int64_t h1, int64_t H, int64_t L, int64_t E,
-                 T scale, int causal) {
+/* The scratch one call of attention_S (backward 0) or attention_backward_S (1) needs, in T's:
+   the caller passes that many, on a cache line (a vector never straddles two). */
+int64_t attention_scratch_S(int64_t L, int64_t E, int64_t backward) {
     const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
     const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
-    T *kt = dt_alloc(sizeof(T) * (E * Lp + Lp * Ep + DT_R * (Lp + E + 2 * Ep)));
-    if (!kt) return;  /* (a few (L, E) blocks: the caller's arrays are far larger) */
+    return backward ? 2 * E * Lp + 3 * Lp * Ep + DT_R * (2 * Lp + 2 * E + 3 * Ep)
+                    : E * Lp + Lp * Ep + DT_R * (Lp + E + 2 * Ep);
+}
+
+/* q, k, v, out: tensors 0-3 of off and rs. */
+void attention_S(const T *q, const T *k, const T *v, T *out, const int64_t *off,
+                 const int64_t *rs, T *kt, int64_t h0, int64_t h1, int64_t H, int64_t L,
+                 int64_t E, T scale, int causal) {
+    const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
+    const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
     T *vp = kt + E * Lp, *s = vp + Lp * Ep, *qs = s + DT_R * Lp, *qp = qs + DT_R * E;
     T *o = qp + DT_R * Ep;
     for (int64_t h = h0; h < h1; h++) {
@@ -345,19 +350,16 @@ void attention_S(const T *q, const T *k, const T *v, T *out, const int64_t *off,
                     oh[(i0 + r) * rs[3] + e] = o[r * Ep + e] / total[r];
         }
     }
-    free(kt);
 }
 
 /* The gradients of q, k, v from the output's gradient g (tensors 0-6 of off and rs: g, q, k, v,
    dq, dk, dv), recomputing each block's p: ds_ij = p_ij (dp_ij - sum_j p_ij dp_ij) with
    dp = g v^T; dq = scale ds k, dk = ds^T (scale q), dv = p^T g. */
 void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out,
-                          const int64_t *off, const int64_t *rs, int64_t h0, int64_t h1,
-                          int64_t H, int64_t L, int64_t E, T scale, int causal) {
+                          const int64_t *off, const int64_t *rs, T *kt, int64_t h0,
+                          int64_t h1, int64_t H, int64_t L, int64_t E, T scale, int causal) {
     const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
     const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
-    T *kt = dt_alloc(sizeof(T) * (2 * E * Lp + 3 * Lp * Ep + DT_R * (2 * Lp + 2 * E + 3 * Ep)));
-    if (!kt) return;
     T *vt = kt + E * Lp, *kp = vt + E * Lp, *dk = kp + Lp * Ep, *dv = dk + Lp * Ep;
     T *p = dv + Lp * Ep, *dp = p + DT_R * Lp, *qs = dp + DT_R * Lp, *gs = qs + DT_R * E;
     T *qp = gs + DT_R * E, *gp = qp + DT_R * Ep, *o = gp + DT_R * Ep;
@@ -398,7 +400,6 @@ void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out
                 dvh[j * rs[6] + e] = dv[j * Ep + e];
             }
     }
-    free(kt);
 }
 
 /* p, m, v may be po, mo, vo themselves (an update in place): no restrict on those. */
@@ -857,8 +858,9 @@ class _Attention(kernels.Attention):
         super().__init__(n)
         self.name = f"{n.name}_{_SUFFIX[_CTYPE[self.dtype]]}"
         real = ctypes.c_float if self.dtype == np.float32 else ctypes.c_double
-        self.argtypes = [_P] * (7 if self.backward else 6) + [_I] * 5 + [real, ctypes.c_int]
+        self.argtypes = [_P] * (8 if self.backward else 7) + [_I] * 5 + [real, ctypes.c_int]
         self._layouts: dict = {}
+        self._scratch = 0  # T's a call needs (the library's attention_scratch, once bound)
 
     def _layout(self, a: np.ndarray):
         """(offset of each (L, E) block, row stride) in elements, of an array whose rows are
@@ -887,10 +889,20 @@ class _Attention(kernels.Attention):
             layouts.append((o + (_ptr(part) - _ptr(out)) // out.itemsize, r))
         off = np.concatenate([o for o, _ in layouts])
         rs = np.array([r for _, r in layouts], np.int64)
-        if self.H and self.L and self.E:  # (the work: L^2 E multiply-adds a head)
-            _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out), _ptr(off), _ptr(rs)),
-                      self.H, self.H * self.L * self.L * self.E,
-                      (self.H, self.L, self.E, self.scale, int(self.causal)))
+        if not (self.H and self.L and self.E):
+            return out
+        if not self._scratch:
+            size = getattr(self.lib, f"attention_scratch_{_SUFFIX[_CTYPE[self.dtype]]}")
+            size.argtypes, size.restype = [_I] * 3, _I
+            self._scratch = size(self.L, self.E, int(self.backward))
+        head = tuple(_ptr(a) for a in arrays) + (_ptr(out), _ptr(off), _ptr(rs))
+        tail = (self.H, self.L, self.E, self.scale, int(self.causal))
+        rooms, calls = [], []  # each thread its own scratch, starting on a cache line
+        for r in _cuts(self.H, self.H * self.L * self.L * self.E):  # (L^2 E a head)
+            rooms.append(np.empty(self._scratch + 64 // self.dtype.itemsize, self.dtype))
+            start = _ptr(rooms[-1]) + (-_ptr(rooms[-1]) % 64)
+            calls.append(head + (start,) + r + tail)
+        _parallel(self.fn, calls)
         return out
 
 

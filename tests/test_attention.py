@@ -12,6 +12,7 @@ from test_compile import full
 import dtensor
 import dtensor.nn.functional as F
 from dtensor.comm import count_collectives
+from dtensor.compile.c_backend import _cuts
 from dtensor.nn import GPT, GPTConfig, Llama, LlamaConfig
 
 GPT_CFG = dict(vocab_size=64, n_layer=2, n_embd=32, n_head=4, mlp_hidden=64, block_size=16)
@@ -111,3 +112,33 @@ def test_unknown_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="kernel must be 'auto', 'math' or 'flash', got 'fast'"):
         with F.sdpa_kernel("fast"):
             pass
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_c_kernel_split_over_threads_equals_one_thread(dtype, monkeypatch):
+    """A large enough attention splits its heads over threads, each with its own scratch: the
+    forward and the gradients are those of one thread, bit for bit (a head is computed by the
+    same code either way), and eager's to rounding."""
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal((2, 6, 67, 20)).astype(dtype) for _ in range(4))
+
+    def step(q, k, v):
+        for t in (q, k, v):
+            t.requires_grad = True
+        with F.sdpa_kernel("flash"):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (y,) + tuple(dtensor.autograd.grad((y * dtensor.Tensor(g)).sum(), [q, k, v]))
+
+    runs = {}
+    for threads in ("1", "2"):  # 2 x 6 heads of 67^2 x 20: past the kernels' split threshold
+        monkeypatch.setenv("DTENSOR_NUM_THREADS", threads)
+        assert len(_cuts(12, 12 * 67 * 67 * 20)) == int(threads)  # heads split this many ways
+        run = dtensor.compile(step, backend="c")
+        runs[threads] = [t.numpy() for t in run(*map(dtensor.Tensor, (q, k, v)))]
+        assert {"attention", "attention_backward"} <= {
+            n.name for n in run.last.graph.nodes if n.kind == "c"}
+    want = [t.numpy() for t in step(*map(dtensor.Tensor, (q, k, v)))]
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    for one, two, w in zip(runs["1"], runs["2"], want):
+        np.testing.assert_array_equal(two, one)
+        np.testing.assert_allclose(one, w, rtol=tol, atol=tol * np.abs(w).max())

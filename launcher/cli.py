@@ -73,6 +73,7 @@ from dtensor.launcher import allocation
 from dtensor.launcher.bootstrap import ENV_HANG, available_cores
 from dtensor.launcher.hang import HostProbe, diagnose, post_mortem
 from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
+from dtensor.launcher.job import ranks_text as _ranks
 
 TIMEOUT_EXIT = 124  # as coreutils' timeout(1)
 GRACE_VAR = "DTENSOR_EXIT_GRACE"
@@ -329,11 +330,6 @@ def _seconds(var: str, default: float, off: str) -> float:
         raise ValueError(f"{var}={text!r} must be a number of seconds >= 0 (default "
                          f"{default:g}; 'inf' turns {off} off)")
     return value
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _clock(t: float) -> str:

@@ -16,11 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dtensor.flight import describe
-
-
-def _ranks(rs) -> str:
-    rs = sorted(rs)
-    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}"
+from dtensor.launcher.job import ranks_text as _ranks
 
 
 def _call(e: Mapping[str, Any]) -> tuple:

@@ -32,6 +32,12 @@ PREFIX_PATTERN = "[rank%r] "  # hydra replaces %r with the rank
 HOST_PREFIX_PATTERN = "[rank%r@%h] "  # ... and %h with the rank's host (of the hostfile)
 
 
+def ranks_text(ranks) -> str:
+    """``rank 3`` or ``ranks 0, 2``: the ranks a launcher message names, sorted."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
 def find_mpiexec(explicit: str | None = None) -> str:
     """Locate mpiexec: ``explicit``, else the MPICH wheel's, else one on PATH (with a note).
 

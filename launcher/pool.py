@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import cloudpickle
 from dtensor.launcher.bootstrap import ENV_AUTHKEY, ENV_CAPTURE
 from dtensor.launcher.job import MpiJob, StuckWatch, find_mpiexec, pid_alive
+from dtensor.launcher.job import ranks_text as _ranks
 
 
 def _code_reduce(code: types.CodeType) -> tuple[Any, tuple[Any, ...]]:
@@ -53,11 +54,6 @@ def _dumps(obj: Any) -> bytes:
     with io.BytesIO() as buf:
         _Pickler(buf).dump(obj)
         return buf.getvalue()
-
-
-def _ranks(ranks: Any) -> str:
-    ranks = sorted(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _stacks_text(stacks: Mapping[int, str]) -> str:

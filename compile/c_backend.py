@@ -179,50 +179,33 @@ void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off,
 /* Causal (or full) attention over heads h0..h1 of (L, E) blocks, as FlashAttention does on a
    CPU: DT_R query rows at a time, whose scores (DT_R rows of at most L) stay in L1 and never make
    an (L, L) matrix; a causal block reads only the keys up to its last row. The products are
-   register-tiled: dt_rows_times (scores = rows x K^T), dt_rows_mix (rows of p x V) and
+   register-tiled: dt_rows_product (scores = rows x K^T, and rows of p x V) and
    dt_rows_scatter (K's and V's gradients += p^T x rows), each holding DT_R x 2 vectors of
    accumulators. One head's K and V sit transposed (E rows of Lp) or padded (rows of Ep), Lp
    and Ep whole pairs of vectors, zero past L and E, so no loop has a tail.
    Every tensor is read and written where it lies: head h of tensor t starts at off[t H + h]
    and its rows are rs[t] apart (the (B, T, heads, E) projections need no transposing copy). */
-static inline void dt_rows_times_S(const T *a, const T *bt, T *s, int64_t E, int64_t Lp,
-                                   int64_t nv) {  /* s[r][j<nv] = sum_e a[r][e] bt[e][j] */
-    const int64_t W = DT_W(T);
-    for (int64_t j = 0; j < nv; j += 2 * W) {
-        VEC(T) acc[DT_R][2];
-        for (int r = 0; r < DT_R; r++) acc[r][0] = acc[r][1] = (VEC(T)){0};
-        for (int64_t e = 0; e < E; e++) {
-            VEC(T) b0 = dt_vload_S(bt + e * Lp + j), b1 = dt_vload_S(bt + e * Lp + j + W);
-            for (int r = 0; r < DT_R; r++) {
-                VEC(T) x = dt_vset_S(a[r * E + e]);
-                acc[r][0] = dt_vfma_S(b0, x, acc[r][0]);
-                acc[r][1] = dt_vfma_S(b1, x, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < DT_R; r++) {
-            dt_vstore_S(s + r * Lp + j, acc[r][0]);
-            dt_vstore_S(s + r * Lp + j + W, acc[r][1]);
-        }
-    }
-}
 
-static inline void dt_rows_mix_S(const T *p, const T *b, T *o, int64_t n, int64_t Lp,
-                                 int64_t Ep) {  /* o[r][:] = sum_{j<n} p[r][j] b[j][:] */
+/* o[r][c] = sum_{k<K} a[r as + k] b[k bs + c] for the DT_R rows of a and c < C, a whole number
+   of vector pairs (rows of o os apart): the scores (a = q's rows, b = K^T) and the products of
+   p with V or of ds with K (a = p's rows, b = V), 2 vectors of accumulators a row in registers. */
+static inline void dt_rows_product_S(const T *a, int64_t as, const T *b, int64_t bs, T *o,
+                                     int64_t os, int64_t K, int64_t C) {
     const int64_t W = DT_W(T);
-    for (int64_t c = 0; c < Ep; c += 2 * W) {
+    for (int64_t c = 0; c < C; c += 2 * W) {
         VEC(T) acc[DT_R][2];
         for (int r = 0; r < DT_R; r++) acc[r][0] = acc[r][1] = (VEC(T)){0};
-        for (int64_t j = 0; j < n; j++) {
-            VEC(T) b0 = dt_vload_S(b + j * Ep + c), b1 = dt_vload_S(b + j * Ep + c + W);
+        for (int64_t k = 0; k < K; k++) {
+            VEC(T) b0 = dt_vload_S(b + k * bs + c), b1 = dt_vload_S(b + k * bs + c + W);
             for (int r = 0; r < DT_R; r++) {
-                VEC(T) x = dt_vset_S(p[r * Lp + j]);
+                VEC(T) x = dt_vset_S(a[r * as + k]);
                 acc[r][0] = dt_vfma_S(b0, x, acc[r][0]);
                 acc[r][1] = dt_vfma_S(b1, x, acc[r][1]);
             }
         }
         for (int r = 0; r < DT_R; r++) {
-            dt_vstore_S(o + r * Ep + c, acc[r][0]);
-            dt_vstore_S(o + r * Ep + c + W, acc[r][1]);
+            dt_vstore_S(o + r * os + c, acc[r][0]);
+            dt_vstore_S(o + r * os + c + W, acc[r][1]);
         }
     }
 }
@@ -341,10 +324,10 @@ void attention_S(const T *q, const T *k, const T *v, T *out, const int64_t *off,
                                         causal);
             int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
             T total[DT_R];
-            dt_rows_times_S(qs, kt, s, E, Lp, nv);
+            dt_rows_product_S(qs, E, kt, Lp, s, Lp, E, nv);
             for (int64_t r = 0; r < DT_R; r++)
                 total[r] = dt_exp_row_S(s + r * Lp, dt_keys_S(i0 + r, n, causal), nv);
-            dt_rows_mix_S(s, vh, o, n, Lp, Ep);
+            dt_rows_product_S(s, Lp, vh, Ep, o, Ep, n, Ep);
             for (int64_t r = 0; r < nr; r++)
                 for (int64_t e = 0; e < E; e++)
                     oh[(i0 + r) * rs[3] + e] = o[r * Ep + e] / total[r];
@@ -379,8 +362,8 @@ void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out
                                         causal);
             int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
             dt_block_rows_S(g + off[h], rs[0], gs, gp, i0, nr, L, E, Ep, 1, causal);
-            dt_rows_times_S(qs, kt, p, E, Lp, nv);
-            dt_rows_times_S(gs, vt, dp, E, Lp, nv);
+            dt_rows_product_S(qs, E, kt, Lp, p, Lp, E, nv);
+            dt_rows_product_S(gs, E, vt, Lp, dp, Lp, E, nv);
             for (int64_t r = 0; r < DT_R; r++) {
                 int64_t lim = dt_keys_S(i0 + r, n, causal);
                 T *pr = p + r * Lp, *dr = dp + r * Lp, total = dt_exp_row_S(pr, lim, nv);
@@ -388,7 +371,7 @@ void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out
                 T d = dt_dot_S(pr, dr, lim);
                 for (int64_t j = 0; j < nv; j++) dr[j] = pr[j] * (dr[j] - d);
             }
-            dt_rows_mix_S(dp, kh, o, n, Lp, Ep);
+            dt_rows_product_S(dp, Lp, kh, Ep, o, Ep, n, Ep);
             for (int64_t r = 0; r < nr; r++)
                 for (int64_t e = 0; e < E; e++) dqh[(i0 + r) * rs[4] + e] = o[r * Ep + e] * scale;
             dt_rows_scatter_S(dp, qp, dka, n, Lp, Ep);

@@ -73,6 +73,9 @@ class _Logs(threading.local):
 
 
 _logs = _Logs()
+# Flight entries that are not the program's own collectives: a recv (its send is counted) and
+# a ranks' agreement check. The debug counter and CommDebugMode skip them.
+UNCOUNTED = frozenset({"recv", "agreement"})
 # Open count_collectives() blocks over all threads: the collectives test this plain global
 # first, a thread-local lookup only when some block is open (see _ready on why it matters).
 _LOGGING = 0
@@ -350,10 +353,9 @@ class Comm:
         return f"Comm(rank={self.rank}, size={self.size}, ranks={list(self.ranks)})"
 
     # -- bookkeeping
-    def _record(self, kind: str, shape, nbytes: int, dtype, counted: bool = True
-                ) -> flight.Entry:
-        """Start a collective: its flight entry (the debug counter's event unless not
-        ``counted``, the observers' call). Finished by _blocking, or by its Work's wait."""
+    def _record(self, kind: str, shape, nbytes: int, dtype) -> flight.Entry:
+        """Start a collective: its flight entry (the debug counter's event, the observers'
+        call). Finished by _blocking, or by its Work's wait."""
         self._seq += 1
         e = flight.Entry(self._seq, kind, self.ranks, tuple(shape), dtype, int(nbytes),
                          flight.user_site(3), dict(observe.CAUSE) if observe.CAUSE else None)
@@ -361,7 +363,7 @@ class Comm:
         if self.size > 1 and flight.watchdog is None:
             flight.start_watchdog()
         # a send and its recv: one message; an agreement check is not the program's own
-        if counted and _LOGGING and _logs.active and kind != "recv":
+        if _LOGGING and _logs.active and kind not in UNCOUNTED:
             ev = CollectiveEvent(kind, self.ranks, int(nbytes), str(np.dtype(dtype)))
             for log in _logs.active:
                 log.events.append(ev)
@@ -686,8 +688,7 @@ class Comm:
         arrives: a collective entry point called on some ranks only."""
         got = np.empty(self.size, np.int64)
         # in the flight recorder and the profiler's timeline too: ranks wait here for each other
-        entry = self._record("agreement", digest.shape, digest.nbytes, digest.dtype,
-                             counted=False)
+        entry = self._record("agreement", digest.shape, digest.nbytes, digest.dtype)
         req = self._c.Iallgather(digest, got)
         if req.Test():
             _ended(entry)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from dtensor import autograd, observe
+from dtensor import autograd, comm, observe
 from dtensor.ops import registry
 
 __all__ = ["CommDebugMode", "CommEvent", "tracking"]
@@ -161,7 +161,7 @@ class CommDebugMode:
         _Tracking.release()
 
     def on_collective(self, entry, done: bool) -> None:
-        if done or entry.kind in ("recv", "agreement"):  # as count_collectives() counts
+        if done or entry.kind in comm.UNCOUNTED:  # as count_collectives() counts
             return
         c = entry.cause or {}
         # a redistribute outside any op (a parallel wrapper's, a gradient's reduction) is its

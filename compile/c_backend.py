@@ -842,50 +842,60 @@ class _Attention(kernels.Attention):
         self.name = f"{n.name}_{_SUFFIX[_CTYPE[self.dtype]]}"
         real = ctypes.c_float if self.dtype == np.float32 else ctypes.c_double
         self.argtypes = [_P] * (8 if self.backward else 7) + [_I] * 5 + [real, ctypes.c_int]
-        self._layouts: dict = {}
-        self._scratch = 0  # T's a call needs (the library's attention_scratch, once bound)
+        self._tables: dict = {}  # (shape, strides) of the inputs and out -> (off, rs)
+        self._rooms: list = []  # each thread's scratch, kept from call to call
 
-    def _layout(self, a: np.ndarray):
-        """(offset of each (L, E) block, row stride) in elements, of an array whose rows are
-        contiguous; None otherwise."""
-        key = (a.shape, a.strides)
-        if key not in self._layouts:
-            item, steps = a.itemsize, a.strides
-            found = None
-            if steps[-1] == item and all(s % item == 0 for s in steps):
-                off = np.zeros((), np.int64)
-                for n, s in zip(a.shape[:-2], steps[:-2]):
-                    off = np.add.outer(off, np.arange(n, dtype=np.int64) * (s // item))
-                found = (off.ravel(), steps[-2] // item)
-            self._layouts[key] = found
-        return self._layouts[key]
+    @staticmethod
+    def _rows(a: np.ndarray) -> bool:
+        """Whether the kernel reads ``a`` where it lies: contiguous rows, whole-element steps."""
+        return a.strides[-1] == a.itemsize and not any(s % a.itemsize for s in a.strides)
+
+    @staticmethod
+    def _layout(a: np.ndarray):
+        """(offset of each (L, E) block, row stride) in elements, of an array with _rows."""
+        item, steps = a.itemsize, a.strides
+        off = np.zeros((), np.int64)
+        for n, s in zip(a.shape[:-2], steps[:-2]):
+            off = np.add.outer(off, np.arange(n, dtype=np.int64) * (s // item))
+        return off.ravel(), steps[-2] // item
+
+    def _table(self, arrays, out):
+        """Every head's offset for each tensor (inputs, then out or dq, dk, dv: those from out's
+        start, one pointer for the three) and each tensor's row stride, once per layout."""
+        key = tuple((a.shape, a.strides) for a in (*arrays, out))
+        if key not in self._tables:
+            layouts = [self._layout(a) for a in arrays]
+            for part in (out[0], out[1], out[2]) if self.backward else (out,):
+                o, r = self._layout(part)
+                layouts.append((o + (_ptr(part) - _ptr(out)) // out.itemsize, r))
+            self._tables[key] = (np.concatenate([o for o, _ in layouts]),
+                                 np.array([r for _, r in layouts], np.int64))
+        return self._tables[key]
+
+    def _scratch(self, threads: int) -> list:
+        """Each thread's scratch, starting on a cache line (a vector never straddles two),
+        sized by the library's attention_scratch."""
+        if len(self._rooms) < threads:
+            size = getattr(self.lib, f"attention_scratch_{_SUFFIX[_CTYPE[self.dtype]]}")
+            size.argtypes, size.restype = [_I] * 3, _I
+            n = size(self.L, self.E, int(self.backward)) + 64 // self.dtype.itemsize
+            self._rooms += [np.empty(n, self.dtype) for _ in range(threads - len(self._rooms))]
+        return [_ptr(a) + (-_ptr(a) % 64) for a in self._rooms[:threads]]
 
     def __call__(self, *inputs, out=None):
         out = self.alloc(out)
         if out.ndim >= 3 + self.backward and out.flags.c_contiguous:
             lead, (heads, L, E) = out.shape[:-3], out.shape[-3:]  # (..., L, heads, E) memory
             out = out.reshape(*lead, L, heads, E).swapaxes(-2, -3)
-        arrays = [a if self._layout(a) else np.ascontiguousarray(a) for a in inputs]
-        layouts = [self._layout(a) for a in arrays]
-        for part in (out[0], out[1], out[2]) if self.backward else (out,):
-            o, r = self._layout(part)  # (offsets from out[0]: one pointer for dq, dk, dv)
-            layouts.append((o + (_ptr(part) - _ptr(out)) // out.itemsize, r))
-        off = np.concatenate([o for o, _ in layouts])
-        rs = np.array([r for _, r in layouts], np.int64)
         if not (self.H and self.L and self.E):
             return out
-        if not self._scratch:
-            size = getattr(self.lib, f"attention_scratch_{_SUFFIX[_CTYPE[self.dtype]]}")
-            size.argtypes, size.restype = [_I] * 3, _I
-            self._scratch = size(self.L, self.E, int(self.backward))
+        arrays = [a if self._rows(a) else np.ascontiguousarray(a) for a in inputs]
+        off, rs = self._table(arrays, out)
         head = tuple(_ptr(a) for a in arrays) + (_ptr(out), _ptr(off), _ptr(rs))
         tail = (self.H, self.L, self.E, self.scale, int(self.causal))
-        rooms, calls = [], []  # each thread its own scratch, starting on a cache line
-        for r in _cuts(self.H, self.H * self.L * self.L * self.E):  # (L^2 E a head)
-            rooms.append(np.empty(self._scratch + 64 // self.dtype.itemsize, self.dtype))
-            start = _ptr(rooms[-1]) + (-_ptr(rooms[-1]) % 64)
-            calls.append(head + (start,) + r + tail)
-        _parallel(self.fn, calls)
+        cuts = _cuts(self.H, self.H * self.L * self.L * self.E)  # (L^2 E a head)
+        _parallel(self.fn, [head + (room,) + r + tail
+                            for room, r in zip(self._scratch(len(cuts)), cuts)])
         return out
 
 

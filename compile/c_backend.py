@@ -92,9 +92,13 @@ static inline double_vec dt_vload_f64(const double *p) {
 static inline void dt_vstore_f32(float *p, float_vec v) { memcpy(p, &v, 32); }
 static inline void dt_vstore_f64(double *p, double_vec v) { memcpy(p, &v, 32); }
 
-/* A kernel with row reductions: GCC vectorises its 8-lane sums as one 256-bit vector each;
-   allowed 512-bit vectors (-march=native on an AVX-512 CPU) it split them into scalar shuffles,
-   3x slower (layer-norm over (1024, 256) rows, AMD EPYC: 0.23 -> 0.076 ms). */
+/* A row reduction's 8 lanes, one vector: each 8 columns' terms are computed lane by lane
+   into an array, then added (or maxed) to the accumulator as one vector op. Accumulating into
+   an array of 8 lanes instead, GCC 12 turned the loop into shuffles and scalar adds (layer-norm
+   backward over (1024, 256) rows, AMD EPYC: 419 -> 104 us); allowed 512-bit vectors, it splits
+   the 8-lane vector into scalar shuffles, hence 256-bit ones in these kernels. */
+typedef float float_8 __attribute__((vector_size(8 * sizeof(float))));
+typedef double double_8 __attribute__((vector_size(8 * sizeof(double))));
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define DT_ROWS __attribute__((target("prefer-vector-width=256")))
 #else
@@ -774,24 +778,31 @@ class _Kernel(kernels.Kernel):
                 for e in self.needed(targets) if id(e) not in self.names]
 
     def _reduce(self, reductions, T) -> list:
-        """One pass over the row for ``reductions``: 8 lanes, then the tail, in order."""
+        """One pass over the row for ``reductions``: 8 lanes (a vector accumulator, fed from
+        an array of the 8 columns' terms), then the tail, in order."""
         out = [f"        {T} v{self.index[id(e)]};" for e in reductions] + ["        {"]
         for e in reductions:
             i = self.index[id(e)]
             init = "0" if e.prim == "rowsum" else "-INFINITY"
-            out.append(f"        {T} a{i}[8] = {{{', '.join([init] * 8)}}};")
+            out.append(f"        {T}_8 a{i} = {{{', '.join([init] * 8)}}};")
+            out.append(f"        {T} s{i}[8];")
         args = [e.args[0] for e in reductions]
-
-        def loop(head, pad, acc):  # the 8-lane loop, or the tail
-            out.extend(head + self._body(args, pad))
-            for e in reductions:
-                a, v = acc.format(self.index[id(e)]), self._name(e.args[0])
-                out.append(f"{pad}{a} = {a} + {v};" if e.prim == "rowsum" else
-                           f"{pad}{a} = {v} > {a} ? {v} : {a};")
-        loop(["        int64_t c = 0;", "        for (; c + 8 <= n; c += 8)",
-              "            for (int l = 0; l < 8; l++) {",
-              "                const int64_t cc = c + l;"], " " * 16, "a{}[l]")
+        out += ["        int64_t c = 0;", "        for (; c + 8 <= n; c += 8) {",
+                "            for (int l = 0; l < 8; l++) {",
+                "                const int64_t cc = c + l;"]
+        out += self._body(args, " " * 16)
+        out += [f"                s{self.index[id(e)]}[l] = {self._name(e.args[0])};"
+                for e in reductions]
         out.append("            }")
+        for e in reductions:
+            i = self.index[id(e)]
+            if e.prim == "rowsum":
+                out.append(f"            {{ {T}_8 t; memcpy(&t, s{i}, sizeof t); "
+                           f"a{i} = a{i} + t; }}")
+            else:
+                out.append(f"            for (int l = 0; l < 8; l++) "
+                           f"a{i}[l] = s{i}[l] > a{i}[l] ? s{i}[l] : a{i}[l];")
+        out.append("        }")
         for e in reductions:
             i = self.index[id(e)]
             if e.prim == "rowsum":
@@ -801,8 +812,12 @@ class _Kernel(kernels.Kernel):
                 out.append(f"        v{i} = a{i}[0];")
                 out.append(f"        for (int l = 1; l < 8; l++) "
                            f"v{i} = a{i}[l] > v{i} ? a{i}[l] : v{i};")
-        loop(["        for (; c < n; c++) {", "            const int64_t cc = c;"], " " * 12,
-             "v{}")
+        out += ["        for (; c < n; c++) {", "            const int64_t cc = c;"]
+        out += self._body(args, " " * 12)
+        for e in reductions:
+            v, x = f"v{self.index[id(e)]}", self._name(e.args[0])
+            out.append(f"            {v} = {v} + {x};" if e.prim == "rowsum" else
+                       f"            {v} = {x} > {v} ? {x} : {v};")
         out += ["        }", "        }"]
         for e in reductions:
             self.names[id(e)] = f"v{self.index[id(e)]}"

@@ -6,10 +6,11 @@ Prints JSON lines:
 - ``block_kernels``: kernels of one standard-workload Block (forward, and forward + backward)
   compiled with backend="triton": Triton kernels by kind, and extern numpy calls (matmuls, shape
   ops, gathers).
-- ``kernel``: per kernel kind (pointwise chain, row softmax, layer-norm core, AdamW) on a large
-  input, seconds per call and the bandwidth it reaches (bytes read + written / time). On CPU the
-  kernels run under Triton's interpreter, so the figure is a verification run's speed, reported
-  next to the numpy backend's; the >= 80% of device bandwidth target applies on a GPU only.
+- ``kernel``: per kernel kind (pointwise chain, row softmax, layer-norm core, GELU) on a large
+  input, seconds per call and the bandwidth it reaches (bytes read + written / time) on the
+  numpy, C and Triton backends. On CPU the Triton kernels run under Triton's interpreter, so
+  their figure is a verification run's speed; the >= 80% of device bandwidth target applies on
+  a GPU only.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def block_kernels() -> dict:
     return out
 
 
-def _time(fn, reps=3) -> float:
+def _time(fn, reps=15) -> float:
     fn()
     ts = []
     for _ in range(reps):
@@ -79,7 +80,7 @@ def kernels() -> list[dict]:
     for name, (f, args, passes) in cases.items():
         nbytes = passes * x.nbytes
         rec = {"bench": "kernel", "kind": name, "elements": x.size}
-        for backend in ("numpy", "triton"):
+        for backend in ("numpy", "c", "triton"):
             c = dtensor.compile(f, backend=backend)
             ts = [dtensor.Tensor(a) for a in args]
             s = _time(lambda: c(*ts))

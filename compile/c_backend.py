@@ -64,7 +64,16 @@ typedef float float_vec __attribute__((vector_size(32)));
 typedef double double_vec __attribute__((vector_size(32)));
 #define VEC(t) t##_vec
 #define DT_W(t) ((int64_t)(32 / sizeof(t)))  /* lanes */
-#define DT_R 4  /* attention's query rows per block */
+/* Attention's query rows per block: a block's products hold 2 accumulators a row, so 8 rows
+   where the CPU has 32 vector registers (AVX-512) and 4 where it has 16. The order of every
+   sum is the same either way. Min of 200 calls, one thread, AMD EPYC (Zen 4), forward and
+   backward ms, 4 -> 8 rows: 32 heads x 128 x 32: 0.94 -> 0.73 and 1.74 -> 1.44; 24 x 256 x 64:
+   5.6 -> 4.0 and 11.8 -> 8.1 (an AVX2 build there: 8 rows 4-7% slower than 4). */
+#ifdef __AVX512VL__
+#define DT_R 8
+#else
+#define DT_R 4
+#endif
 
 static inline float_vec dt_vfma_f32(float_vec a, float_vec b, float_vec c) {
 #ifdef __FMA__

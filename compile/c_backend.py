@@ -784,12 +784,26 @@ class _Kernel(kernels.Kernel):
     def _reduce(self, reductions, T) -> list:
         """One pass over the row for ``reductions``: 8 lanes (a vector accumulator, fed from
         an array of the 8 columns' terms), then the tail, in order."""
+        def fold(e, acc, x):  # acc takes x in, as e's reduction does
+            return (f"{acc} = {acc} + {x};" if e.prim == "rowsum" else
+                    f"{acc} = {x} > {acc} ? {x} : {acc};")
+
         out = [f"        {T} v{self.index[id(e)]};" for e in reductions] + ["        {"]
+        steps, ends = [], []  # per reduction: its vector step, and its lanes folded into v
         for e in reductions:
             i = self.index[id(e)]
             init = "0" if e.prim == "rowsum" else "-INFINITY"
-            out.append(f"        {T}_8 a{i} = {{{', '.join([init] * 8)}}};")
-            out.append(f"        {T} s{i}[8];")
+            out += [f"        {T}_8 a{i} = {{{', '.join([init] * 8)}}};", f"        {T} s{i}[8];"]
+            if e.prim == "rowsum":
+                steps.append(f"            {{ {T}_8 t; memcpy(&t, s{i}, sizeof t); "
+                             f"a{i} = a{i} + t; }}")
+                ends.append(f"        v{i} = ((a{i}[0] + a{i}[1]) + (a{i}[2] + a{i}[3])) + "
+                            f"((a{i}[4] + a{i}[5]) + (a{i}[6] + a{i}[7]));")
+            else:
+                steps.append(f"            for (int l = 0; l < 8; l++) "
+                             f"{fold(e, f'a{i}[l]', f's{i}[l]')}")
+                ends += [f"        v{i} = a{i}[0];",
+                         f"        for (int l = 1; l < 8; l++) {fold(e, f'v{i}', f'a{i}[l]')}"]
         args = [e.args[0] for e in reductions]
         out += ["        int64_t c = 0;", "        for (; c + 8 <= n; c += 8) {",
                 "            for (int l = 0; l < 8; l++) {",
@@ -797,31 +811,11 @@ class _Kernel(kernels.Kernel):
         out += self._body(args, " " * 16)
         out += [f"                s{self.index[id(e)]}[l] = {self._name(e.args[0])};"
                 for e in reductions]
-        out.append("            }")
-        for e in reductions:
-            i = self.index[id(e)]
-            if e.prim == "rowsum":
-                out.append(f"            {{ {T}_8 t; memcpy(&t, s{i}, sizeof t); "
-                           f"a{i} = a{i} + t; }}")
-            else:
-                out.append(f"            for (int l = 0; l < 8; l++) "
-                           f"a{i}[l] = s{i}[l] > a{i}[l] ? s{i}[l] : a{i}[l];")
-        out.append("        }")
-        for e in reductions:
-            i = self.index[id(e)]
-            if e.prim == "rowsum":
-                out.append(f"        v{i} = ((a{i}[0] + a{i}[1]) + (a{i}[2] + a{i}[3])) + "
-                           f"((a{i}[4] + a{i}[5]) + (a{i}[6] + a{i}[7]));")
-            else:
-                out.append(f"        v{i} = a{i}[0];")
-                out.append(f"        for (int l = 1; l < 8; l++) "
-                           f"v{i} = a{i}[l] > v{i} ? a{i}[l] : v{i};")
+        out += ["            }"] + steps + ["        }"] + ends
         out += ["        for (; c < n; c++) {", "            const int64_t cc = c;"]
         out += self._body(args, " " * 12)
-        for e in reductions:
-            v, x = f"v{self.index[id(e)]}", self._name(e.args[0])
-            out.append(f"            {v} = {v} + {x};" if e.prim == "rowsum" else
-                       f"            {v} = {x} > {v} ? {x} : {v};")
+        out += [f"            {fold(e, f'v{self.index[id(e)]}', self._name(e.args[0]))}"
+                for e in reductions]
         out += ["        }", "        }"]
         for e in reductions:
             self.names[id(e)] = f"v{self.index[id(e)]}"

@@ -291,10 +291,10 @@ def sdpa_kernel(kernel: str):
     by dtensor.compile for the C or Triton backend), "math" elsewhere (eager, and the numpy
     backend, whose attention would be numpy's GEMMs plus a recomputing backward). The C kernel
     is register-tiled and skips the keys a causal block cannot see; against BLAS's GEMMs plus
-    the C softmax kernels (benchmarks/attention.py, two runs) it took 0.96-1.07x the time at
-    the standard workload's TP=2 shape, 0.64-0.81x at GPT-2 small's and 0.94-1.03x at L = 1024,
-    and the compiled TP=2 step 0.97-0.98x, while never holding the (L, L) probabilities. A
-    compiled function keeps the choice it was traced with."""
+    the C softmax kernels (benchmarks/attention.py, AVX-512) it takes 0.75x the time at the
+    standard workload's TP=2 shape, 0.57x at GPT-2 small's and 0.70x at L = 1024, while never
+    holding the (L, L) probabilities. A compiled function keeps the choice it was traced
+    with."""
     if kernel not in ("auto", "math", "flash"):
         raise ValueError(f"sdpa_kernel: kernel must be 'auto', 'math' or 'flash', got "
                          f"{kernel!r}.")

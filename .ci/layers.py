@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 LAYERS = [
-    ("base", ["placements", "mesh", "comm", "flight", "observe", "random", "distributed",
+    ("base", ["placements", "mesh", "comm", "_shm", "flight", "observe", "random", "distributed",
               "validate", "errors", "_flag", "_threads", "_checkpoint_meta"]),
     ("ops", ["ops", "autograd"]),
     ("tensor", ["tensor", "_einsum"]),

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from dtensor import flight, observe
+from dtensor import _shm, flight, observe
 from dtensor.errors import CollectiveError
 
 __all__ = ["Comm", "Work", "get_world", "count_collectives", "CollectiveLog", "CollectiveEvent",
@@ -348,6 +348,10 @@ class Comm:
         self._seq = 0  # collectives issued on this group: the flight recorder's numbers
         _mpi()  # the collectives read _MPI (IN_PLACE) without a call
         self._check = os.environ.get("DTENSOR_COMM_CHECK", "0") not in ("0", "")
+        # all_reduce through shared memory (dtensor/_shm.py): the window once opened, and
+        # whether the group has one (None: not asked yet)
+        self._shm: _shm.Segments | None = None
+        self._shm_ok: bool | None = None if self.size > 1 else False
 
     def __repr__(self) -> str:
         return f"Comm(rank={self.rank}, size={self.size}, ranks={list(self.ranks)})"
@@ -420,6 +424,21 @@ class Comm:
                 + ". Every rank must pass the same dtype and shape (use sizes=[...] for "
                   "uneven gathers/scatters).")
 
+    def _shared(self) -> "_shm.Segments | None":
+        """The group's shared window for all_reduce (dtensor/_shm.py), opened by its first
+        all_reduce, or None: MPI. Opening is collective; the ranks agree that they share one
+        node, all enabled it and on a slot size /dev/shm has room for."""
+        if self._shm_ok is None:
+            MPI = _mpi()
+            node = self._c.Split_type(MPI.COMM_TYPE_SHARED)
+            whole = node.Get_size() == self.size
+            node.Free()
+            mine = _shm.slot_bytes(self.size) if whole and _shm.enabled() else 0
+            slot = self._c.allreduce(mine, op=MPI.MIN)
+            self._shm = _shm.Segments(self._c, slot) if slot else None
+            self._shm_ok = bool(slot)
+        return self._shm
+
     def _avg(self, out: np.ndarray, op: str) -> np.ndarray:
         if op == "avg":
             out /= self.size
@@ -439,6 +458,19 @@ class Comm:
         if self._check:
             self._agree("all_reduce", (str(dtype), x.shape, op))
         e = self._record("all_reduce", x.shape, x.nbytes, dtype)
+        seg = self._shared() if self._shm_ok is not False else None
+        if seg is not None:
+            if x.nbytes <= seg.slot_bytes:
+                out = out if out is x else _out(out, x.shape, dtype, "all_reduce")
+                k = seg.post(x, _shm.UFUNCS[op], out)
+                if async_op:
+                    return Work(_shm.Posted(seg, k), lambda: self._avg(seg.reduce(k), op), e)
+                return self._avg(self._blocking(e, seg.reduce, k), op)
+            flight.WAITING = e  # too large for a slot: MPI's, once the ranks agree on the size
+            try:
+                seg.agree(seg.post(x), "all_reduce")
+            finally:
+                flight.WAITING = None
         if out is x:
             send = _MPI.IN_PLACE
         else:

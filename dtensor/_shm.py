@@ -59,14 +59,28 @@ def slot_bytes(ranks: int) -> int:
     return limit if limit >= MIN_SLOT else 0
 
 
-def spin(ready) -> None:
-    """Return once ``ready()``: yield the core while the peers are close behind (oversubscribed
-    ranks then run), after 50 ms sleep in growing steps up to 1 ms."""
+def yield_seconds(ranks: int) -> float:
+    """How long a waiting rank polls, yielding its core, before it sleeps between polls: 50 ms
+    while each rank of the node has a core, none when the node's ranks (LOCAL_WORLD_SIZE, else
+    the group's) outnumber its cores. There CFS barely honours sched_yield, and a rank that polls
+    keeps the core from the one it waits for (launcher/bootstrap.py measured MPICH's polling:
+    nanosleep-based waiting halved a straggler's time at 8 ranks on 2 cores)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or ranks
+    return 0.05 if local <= cores else 0.0
+
+
+def spin(ready, patience: float) -> None:
+    """Return once ``ready()``: poll and yield for ``patience`` seconds, then sleep between
+    polls in growing steps up to 1 ms."""
     if ready():
         return
     start, pause = time.monotonic(), 1e-5
     while not ready():
-        if time.monotonic() - start < 0.05:
+        if time.monotonic() - start < patience:
             os.sched_yield()
         else:
             time.sleep(pause)
@@ -94,6 +108,7 @@ class Segments:
                                for s in range(SLOTS)])
         for row in (self.posted, self.read, self.meta):
             row[self.rank][:] = 0
+        self.patience = yield_seconds(self.size)
         self.seq = 0
         self.unreduced: dict = {}  # k -> (ufunc, out) of this rank's calls not reduced yet
         self.done: dict = {}  # k -> out of those reduced early, until their handle asks
@@ -107,7 +122,8 @@ class Segments:
         if k - SLOTS in self.unreduced:  # the slot's last call, not reduced here yet
             self.done[k - SLOTS] = self.reduce(k - SLOTS)
         if k > SLOTS:  # ... and read by every peer
-            spin(lambda: all(self.read[p][s] >= k - SLOTS for p in range(self.size)))
+            spin(lambda: all(self.read[p][s] >= k - SLOTS for p in range(self.size)),
+                 self.patience)
         if ufunc is not None:
             mine = self.slots[self.rank][s][:x.nbytes].view(x.dtype).reshape(x.shape)
             np.copyto(mine, x)
@@ -124,7 +140,7 @@ class Segments:
     def agree(self, k: int, what: str) -> None:
         """Wait until every rank has posted call ``k``; raise on every rank if their sizes or
         dtypes differ. A call with no operand (one for MPI) is then read."""
-        spin(lambda: self.arrived(k))
+        spin(lambda: self.arrived(k), self.patience)
         self.win.Sync()
         s = k % SLOTS
         metas = [int(self.meta[p][s]) for p in range(self.size)]
@@ -174,4 +190,4 @@ class Posted:
         return self.k in self.seg.done or self.seg.arrived(self.k)
 
     def Wait(self) -> None:  # noqa: N802
-        spin(lambda: self.Test())
+        spin(self.Test, self.seg.patience)

@@ -4,7 +4,8 @@ Every collective takes and returns contiguous numpy arrays and has a non-blockin
 (``async_op=True`` returns a :class:`Work` whose ``wait()`` gives the result). Uneven sizes use
 MPI's v-collectives (Allgatherv, Reduce_scatter with counts, Alltoallv), so nothing is padded.
 A world of one needs no mpiexec: MPI starts as a singleton. Sub-communicators are made once per
-partition of ranks with ``Split`` and cached.
+partition of ranks with ``Split`` and cached. all_reduce within one node goes through shared
+memory instead of MPI's messages (dtensor/_shm.py; ``DTENSOR_SHM_ALLREDUCE=0`` turns it off).
 
 ``count_collectives()`` records every collective issued (kind, group, bytes) so tests can assert
 exact counts. ``bytes`` is the size of the logical buffer of the collective: the input of
@@ -76,6 +77,10 @@ _logs = _Logs()
 # Flight entries that are not the program's own collectives: a recv (its send is counted) and
 # a ranks' agreement check. The debug counter and CommDebugMode skip them.
 UNCOUNTED = frozenset({"recv", "agreement"})
+# the collectives of a whole group (not send/recv, nor agreement checks, which must time out
+# when a rank never comes): the first of them opens the group's shared window
+_OPENS_SHM = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                        "broadcast", "barrier"})
 # Open count_collectives() blocks over all threads: the collectives test this plain global
 # first, a thread-local lookup only when some block is open (see _ready on why it matters).
 _LOGGING = 0
@@ -373,11 +378,14 @@ class Comm:
                 log.events.append(ev)
         for o in observe.OBSERVERS:
             o.on_collective(e, False)
+        if self._shm_ok is None and kind in _OPENS_SHM:
+            self._blocking(e, self._open_shared, end=False)
         return e
 
     @staticmethod
-    def _blocking(entry: flight.Entry, call, *args, **kwargs):
-        """A blocking MPI call of the collective ``entry``, seen by the watchdog while it waits."""
+    def _blocking(entry: flight.Entry, call, *args, end: bool = True, **kwargs):
+        """A blocking MPI call of the collective ``entry``, seen by the watchdog while it waits
+        (``end``: the call completes the collective)."""
         flight.WAITING = entry
         try:
             out = call(*args, **kwargs)
@@ -391,7 +399,8 @@ class Comm:
                    == _MPI.ERR_TRUNCATE else "")) from None
         finally:
             flight.WAITING = None
-        _ended(entry)
+        if end:
+            _ended(entry)
         return out
 
     @staticmethod
@@ -424,20 +433,21 @@ class Comm:
                 + ". Every rank must pass the same dtype and shape (use sizes=[...] for "
                   "uneven gathers/scatters).")
 
-    def _shared(self) -> "_shm.Segments | None":
-        """The group's shared window for all_reduce (dtensor/_shm.py), opened by its first
-        all_reduce, or None: MPI. Opening is collective; the ranks agree that they share one
-        node, all enabled it and on a slot size /dev/shm has room for."""
-        if self._shm_ok is None:
-            MPI = _mpi()
-            node = self._c.Split_type(MPI.COMM_TYPE_SHARED)
-            whole = node.Get_size() == self.size
-            node.Free()
-            mine = _shm.slot_bytes(self.size) if whole and _shm.enabled() else 0
-            slot = self._c.allreduce(mine, op=MPI.MIN)
-            self._shm = _shm.Segments(self._c, slot) if slot else None
-            self._shm_ok = bool(slot)
-        return self._shm
+    def _open_shared(self) -> None:
+        """Open the group's shared window for all_reduce (dtensor/_shm.py) if it can have one.
+
+        Collective: done by the group's first collective, so that a later mismatch of calls
+        (an all_reduce on some ranks, another collective on the others) hangs where the
+        watchdog names both, not inside this. The ranks agree that they share one node, all
+        enabled it, and on a slot size that /dev/shm has room for."""
+        MPI = _mpi()
+        node = self._c.Split_type(MPI.COMM_TYPE_SHARED)
+        whole = node.Get_size() == self.size
+        node.Free()
+        mine = _shm.slot_bytes(self.size) if whole and _shm.enabled() else 0
+        slot = self._c.allreduce(mine, op=MPI.MIN)
+        self._shm = _shm.Segments(self._c, slot) if slot else None
+        self._shm_ok = bool(slot)
 
     def _avg(self, out: np.ndarray, op: str) -> np.ndarray:
         if op == "avg":
@@ -451,6 +461,9 @@ class Comm:
 
         ``out``: an optional preallocated result buffer (reusing one keeps it hot in cache);
         ``out=x`` reduces in place (MPI_IN_PLACE: no copy of x into the result first).
+        A group on one node reduces through shared memory (dtensor/_shm.py), each rank folding
+        the operands in rank order, so all get the same bits; operands over a slot's size
+        (DTENSOR_SHM_BYTES) and groups across nodes go through MPI.
         """
         x = _contig(x)
         dtype = x.dtype
@@ -458,7 +471,7 @@ class Comm:
         if self._check:
             self._agree("all_reduce", (str(dtype), x.shape, op))
         e = self._record("all_reduce", x.shape, x.nbytes, dtype)
-        seg = self._shared() if self._shm_ok is not False else None
+        seg = self._shm
         if seg is not None:
             if x.nbytes <= seg.slot_bytes:
                 out = out if out is x else _out(out, x.shape, dtype, "all_reduce")
@@ -466,11 +479,8 @@ class Comm:
                 if async_op:
                     return Work(_shm.Posted(seg, k), lambda: self._avg(seg.reduce(k), op), e)
                 return self._avg(self._blocking(e, seg.reduce, k), op)
-            flight.WAITING = e  # too large for a slot: MPI's, once the ranks agree on the size
-            try:
-                seg.agree(seg.post(x), "all_reduce")
-            finally:
-                flight.WAITING = None
+            # too large for a slot: MPI's, once the ranks agree on the size
+            self._blocking(e, seg.agree, seg.post(x), "all_reduce", end=False)
         if out is x:
             send = _MPI.IN_PLACE
         else:

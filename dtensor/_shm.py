@@ -73,18 +73,29 @@ def yield_seconds(ranks: int) -> float:
     return 0.05 if local <= cores else 0.0
 
 
+# The wait the main thread polls in now, as (its start, time.time()), else None. dtlaunch's
+# deadlock check (launcher/bootstrap.py) reads it: a rank blocked in MPI runs no Python, which
+# that check tests for, but this wait is a Python loop; the same wait seen twice tells instead.
+POLLING: tuple | None = None
+
+
 def spin(ready, patience: float) -> None:
     """Return once ``ready()``: poll and yield for ``patience`` seconds, then sleep between
     polls in growing steps up to 1 ms."""
+    global POLLING
     if ready():
         return
     start, pause = time.monotonic(), 1e-5
-    while not ready():
-        if time.monotonic() - start < patience:
-            os.sched_yield()
-        else:
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+    POLLING = (time.time(),)
+    try:
+        while not ready():
+            if time.monotonic() - start < patience:
+                os.sched_yield()
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+    finally:
+        POLLING = None
 
 
 class Segments:

@@ -53,6 +53,8 @@ MPI_WAIT = re.compile(
     r"|M?[Pp]robe|Wait(all|any|some)?|barrier|bcast|allreduce|allgather|alltoall|scatter"
     r"|send|ssend|recv|sendrecv)\)?\s*\(")  # ")(": a call through a conditional expression
 _COMM_FILE = os.path.join("", "dtensor", "comm.py")
+# A shared-memory all_reduce's wait: a Python loop in this file, called from comm.py.
+SHM_FILE = os.path.join("", "dtensor", "_shm.py")
 
 
 def in_mpi_call(file: str, source: str) -> bool:
@@ -344,7 +346,7 @@ def _report_mpi_waits(report_dir: str, rank: int) -> None:
             return
 
     def look() -> None:
-        queued, written, since = False, False, 0.0
+        queued, written, since, polled = False, False, 0.0, None
         while True:
             time.sleep(1.0)
             queued = queued and not ran.is_set()
@@ -354,6 +356,14 @@ def _report_mpi_waits(report_dir: str, rank: int) -> None:
             line = linecache.getline(frame.f_code.co_filename, lineno) if lineno else ""
             waiting = bool(line) and in_mpi_call(frame.f_code.co_filename, line)
             del frame  # holding it would keep the user's locals alive
+            # A shared-memory all_reduce waits in a Python loop (dtensor/_shm.py), which runs
+            # the pending call: there the same wait seen a second apart is the sign instead.
+            poll = getattr(sys.modules.get("dtensor._shm"), "POLLING", None)
+            if poll is not None:
+                waiting, queued, since = True, poll is polled, poll[0]
+            elif polled is not None:
+                queued = False  # (back to the pending-call test, afresh)
+            polled = poll
             try:  # the launcher removes the directory as the job ends
                 if waiting and queued:
                     if not written:
@@ -365,7 +375,7 @@ def _report_mpi_waits(report_dir: str, rank: int) -> None:
                     os.remove(path)
             except OSError:
                 pass
-            if waiting and not queued:
+            if waiting and not queued and poll is None:
                 ran.clear()
                 queued = add_pending_call(probe, None) == 0  # -1: queue full, try next time
                 since = time.time()

@@ -25,7 +25,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
-from dtensor.launcher.bootstrap import ENV_DIR, ENV_PARENT, apply_rank_env, in_mpi_call
+from dtensor.launcher.bootstrap import (ENV_DIR, ENV_PARENT, SHM_FILE, apply_rank_env,
+                                       in_mpi_call)
 
 BOOTSTRAP = str(Path(__file__).with_name("bootstrap.py"))
 PREFIX_PATTERN = "[rank%r] "  # hydra replaces %r with the rank
@@ -124,6 +125,8 @@ def _mpi_wait_site(stack: str) -> str | None:
     user's frame (the innermost outside dtensor), followed by the MPI call's own when dtensor
     made it."""
     frames = _main_thread_frames(stack)
+    while frames and frames[0][0].endswith(SHM_FILE):  # a shared-memory wait's poll loop:
+        frames = frames[1:]  # where it waits is its caller in comm.py
     if not frames:
         return None
     source = [linecache.getline(file, line).strip() for file, line in frames]

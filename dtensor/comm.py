@@ -446,8 +446,15 @@ class Comm:
         node.Free()
         mine = _shm.slot_bytes(self.size) if whole and _shm.enabled() else 0
         slot = self._c.allreduce(mine, op=MPI.MIN)
-        self._shm = _shm.Segments(self._c, slot) if slot else None
-        self._shm_ok = bool(slot)
+        seg = None
+        if slot:
+            try:
+                seg = _shm.Segments(self._c, slot)
+            except MPI.Exception:  # no shared windows here (MPI's transport, the OS's limits)
+                seg = None
+            if not self._c.allreduce(seg is not None, op=MPI.LAND):
+                seg = None  # not on every rank: all stay with MPI (a window made is left be)
+        self._shm, self._shm_ok = seg, seg is not None
 
     def _avg(self, out: np.ndarray, op: str) -> np.ndarray:
         if op == "avg":

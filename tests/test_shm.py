@@ -138,3 +138,24 @@ def test_mismatched_operands_fail_on_every_rank_naming_each(what, mine, theirs, 
                        r"of \w+, rank 1: .*\); every rank must pass the same shape and dtype"):
         group.all_reduce(np.ones(shape, dtype))
     np.testing.assert_array_equal(group.all_reduce(np.full(2, rank + 1.0)), np.full(2, 6.0))
+
+
+@pytest.mark.ranks(3, timeout=120)
+def test_a_window_that_fails_on_one_rank_leaves_every_rank_on_mpi(comm, rank, monkeypatch):
+    """MPI may refuse a shared window (its transport, the OS's limits): if it does on any rank,
+    every rank of the group stays with MPI's path, and all_reduce still agrees."""
+    from mpi4py import MPI
+
+    from dtensor import _shm
+    made = _shm.Segments
+
+    def refusing(mpi_comm, slot):
+        seg = made(mpi_comm, slot)  # collective: every rank makes it, one then refuses
+        if rank == 1:
+            raise MPI.Exception(MPI.ERR_NO_MEM)
+        return seg
+
+    monkeypatch.setattr(_shm, "Segments", refusing)
+    group = fresh(comm, monkeypatch)
+    assert group._shm is None and group._shm_ok is False
+    np.testing.assert_array_equal(group.all_reduce(np.full(4, rank + 1.0)), np.full(4, 6.0))

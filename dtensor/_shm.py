@@ -74,9 +74,9 @@ def yield_seconds(ranks: int) -> float:
 
 
 # The wait the main thread polls in now, a new 1-tuple (its start, time.time()) for each wait,
-# else None. dtlaunch's
-# deadlock check (launcher/bootstrap.py) reads it: a rank blocked in MPI runs no Python, which
-# that check tests for, but this wait is a Python loop; the same wait seen twice tells instead.
+# else None. dtlaunch's deadlock check (launcher/bootstrap.py) reads it: a rank blocked in MPI
+# runs no Python, which that check tests for, but this wait is a Python loop; the same wait
+# seen twice tells instead.
 POLLING: tuple | None = None
 
 

@@ -32,6 +32,8 @@ SLOTS = 4
 _LINE = 8  # int64s in a cache line: each header row on lines of its own
 _HEADER = 3 * 2 * _LINE * 8  # posted[SLOTS], read[SLOTS], meta[SLOTS]
 MIN_SLOT = 64 << 10
+# each reduce op's ufunc: for this path, and for comm.py's numpy-semantics MPI ops (max/min of
+# floats, bools)
 UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
 
@@ -156,11 +158,12 @@ class Segments:
         self.win.Sync()
         s = k % SLOTS
         metas = [int(self.meta[p][s]) for p in range(self.size)]
+        differ = len(set(metas)) > 1
+        if differ:
+            self.unreduced.pop(k, None)  # (nothing to reduce)
         if k not in self.unreduced:
             self.read[self.rank][s] = k
-        if len(set(metas)) > 1:
-            self.unreduced.pop(k, None)
-            self.read[self.rank][s] = k
+        if differ:
             each = ", ".join(f"rank {p}: {m >> 8} bytes of {_DTYPE_OF.get(m & 255, m & 255)}"
                              for p, m in enumerate(metas))
             raise CollectiveError(f"{what} #{k} on a shared-memory group: the ranks passed "

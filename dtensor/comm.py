@@ -318,7 +318,7 @@ def _numpy_op(op: str, dtype: np.dtype):
     """
     key = (op, dtype)
     if key not in _NUMPY_OPS:
-        ufunc = {"max": np.maximum, "min": np.minimum, "sum": np.add}[op]
+        ufunc = _shm.UFUNCS[op]
 
         def combine(inbuf, inoutbuf, datatype):  # inoutbuf = inbuf (lower rank) op inoutbuf
             a = np.frombuffer(inbuf, dtype)
@@ -482,12 +482,13 @@ class Comm:
         if seg is not None:
             if x.nbytes <= seg.slot_bytes:
                 out = out if out is x else _out(out, x.shape, dtype, "all_reduce")
-                k = seg.post(x, _shm.UFUNCS[op], out)
+                k = self._blocking(e, seg.post, x, _shm.UFUNCS[op], out, end=False)
                 if async_op:
                     return Work(_shm.Posted(seg, k), lambda: self._avg(seg.reduce(k), op), e)
                 return self._avg(self._blocking(e, seg.reduce, k), op)
             # too large for a slot: MPI's, once the ranks agree on the size
-            self._blocking(e, seg.agree, seg.post(x), "all_reduce", end=False)
+            k = self._blocking(e, seg.post, x, end=False)
+            self._blocking(e, seg.agree, k, "all_reduce", end=False)
         if out is x:
             send = _MPI.IN_PLACE
         else:

@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import pytest
 
-from dtensor.comm import Comm
+from dtensor.comm import Comm, count_collectives
 from dtensor.errors import CollectiveError
 
 RANKS = [pytest.param(n, marks=pytest.mark.ranks(n, timeout=120), id=f"{n}ranks")
@@ -57,19 +57,22 @@ def test_results_are_the_rank_order_fold_with_the_same_bits_everywhere(n, comm, 
     ufunc = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
     for shape, dtype, op in CASES:
         parts = [operand(r, shape, dtype) for r in range(n)]
-        want = functools.reduce(ufunc[op], parts)
-        if op == "avg":
-            want = want / n
-        for async_op in (False, True):
-            got = group.all_reduce(parts[rank], op=op, async_op=async_op)
-            got = got.wait() if async_op else got
-            assert got.dtype == np.dtype(dtype) and got.shape == shape
-            np.testing.assert_array_equal(got, want.astype(dtype))
-        mine = parts[rank].copy()  # in place (out=x), as a compiled step donates its buffer
-        assert group.all_reduce(mine, op=op, out=mine) is mine
-        np.testing.assert_array_equal(mine, want.astype(dtype))
-        mpi = comm.all_reduce(parts[rank], op=op)  # the world: opened with its first call
-        np.testing.assert_allclose(mpi, want, rtol=1e-6 if dtype == "float32" else 1e-12)
+        with count_collectives() as log:
+            want = functools.reduce(ufunc[op], parts)
+            if op == "avg":
+                want = want / n
+            for async_op in (False, True):
+                got = group.all_reduce(parts[rank], op=op, async_op=async_op)
+                got = got.wait() if async_op else got
+                assert got.dtype == np.dtype(dtype) and got.shape == shape
+                np.testing.assert_array_equal(got, want.astype(dtype))
+            mine = parts[rank].copy()  # in place (out=x), as a compiled step donates its buffer
+            assert group.all_reduce(mine, op=op, out=mine) is mine
+            np.testing.assert_array_equal(mine, want.astype(dtype))
+            mpi = comm.all_reduce(parts[rank], op=op)  # the world: opened with its first call
+            np.testing.assert_allclose(mpi, want, rtol=1e-6 if dtype == "float32" else 1e-12)
+        # each call counted once, as on MPI's path
+        assert log.summary() == {"all_reduce": (4, 4 * parts[0].nbytes)}, (shape, dtype, op)
 
 
 @pytest.mark.parametrize("n", RANKS)
@@ -103,11 +106,14 @@ def test_many_calls_in_flight_waited_in_any_order_or_never(n, order, comm, rank,
 def test_an_operand_larger_than_a_slot_goes_to_mpi(n, comm, rank, monkeypatch):
     group = fresh(comm, monkeypatch, DTENSOR_SHM_BYTES=str(64 << 10))
     assert group._shm.slot_bytes == 64 << 10
-    for size in (16 << 10, 100 << 10, 16 << 10):  # elements of float32: in, over, in
-        parts = [operand(r, (size,), "float32") for r in range(n)]
-        got = group.all_reduce(parts[rank])
-        np.testing.assert_allclose(got, functools.reduce(np.add, parts), rtol=1e-5,
-                                   atol=1e-5 * np.abs(parts).sum(0).max())
+    sizes = (16 << 10, 100 << 10, 16 << 10)  # elements of float32: in, over, in a slot
+    with count_collectives() as log:
+        for size in sizes:
+            parts = [operand(r, (size,), "float32") for r in range(n)]
+            got = group.all_reduce(parts[rank])
+            np.testing.assert_allclose(got, functools.reduce(np.add, parts), rtol=1e-5,
+                                       atol=1e-5 * np.abs(parts).sum(0).max())
+    assert log.summary() == {"all_reduce": (3, 4 * sum(sizes))}  # the size agreement uncounted
 
 
 @pytest.mark.ranks(2, timeout=120)

@@ -372,11 +372,17 @@ class MpiJob:
                 self.proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 pass
-        for pid in self._job_pids():
+        pids = self._job_pids()
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        # SIGKILL is delivered asynchronously (a rank freeing a large heap takes a while to go):
+        # return only once they are gone, so "the pool was shut down" is true when it is said.
+        deadline = time.monotonic() + 5
+        while any(map(pid_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self.proc is None:
             return
         try:

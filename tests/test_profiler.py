@@ -74,16 +74,18 @@ def test_a_4_rank_step_gives_one_valid_trace_whose_summary_adds_up(rank, tmp_pat
     step(x, y).item()
     step(x, y).item()
     path = str(tmp_path_factory.getbasetemp() / "trace.json")  # every rank passes one path
-    with profiler.profile(path) as p:
-        start = time.perf_counter()
-        step(x, y).item()
-        took = time.perf_counter() - start
-    took = get_world().all_gather(np.array([took]))  # each rank's own step time
+    runs = []  # three profiled steps: (the merged events, each rank's own step time)
+    for _ in range(3):
+        with profiler.profile(path) as p:
+            start = time.perf_counter()
+            step(x, y).item()
+            took = time.perf_counter() - start
+        runs.append((p.events, get_world().all_gather(np.array([took]))))
     if rank != 0:
         return
-    events = profiler.load(path)
+    events = profiler.load(path)  # the last step's trace
     check_trace_events(events)
-    assert events == p.events
+    assert events == runs[-1][0]
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1, 2, 3}
     names = {(e["cat"], e["name"]) for e in spans}
@@ -100,11 +102,17 @@ def test_a_4_rank_step_gives_one_valid_trace_whose_summary_adds_up(rank, tmp_pat
     for w in (e for e in spans if e["cat"] == "wait"):
         assert any(c["pid"] == w["pid"] and c["ts"] == w["ts"] and w["dur"] <= c["dur"] + 1e-3
                    for c in collectives), w
-    # per rank: compute + communication + waiting is the step's time, within 5%
-    for r, b in profiler.breakdown(events).items():
-        parts = b["compute"] + b["communication"] + b["waiting"]
-        assert abs(parts - took[r] * 1e3) <= 0.05 * took[r] * 1e3, (r, b, took)
-        assert abs(parts + b["other"] - b["profiled"]) < 1e-6 * b["profiled"] + 1e-3
+    # per rank: compute + communication + waiting is the step's time, within 5%, in the best of
+    # the three steps. Code that no span covers leaves its gap in every step; a rank the OS
+    # parks between two spans (4 ranks share 2 cores here) leaves one in a single step.
+    misses = {r: [] for r in range(4)}
+    for events, took in runs:
+        for r, b in profiler.breakdown(events).items():
+            parts = b["compute"] + b["communication"] + b["waiting"]
+            misses[r].append((abs(parts - took[r] * 1e3) / (took[r] * 1e3), b))
+            assert abs(parts + b["other"] - b["profiled"]) < 1e-6 * b["profiled"] + 1e-3
+    for r, miss in misses.items():
+        assert min(m for m, _ in miss) <= 0.05, (r, miss)
     text = subprocess.run([sys.executable, "-m", "dtensor.profiler", "summary", path],
                           capture_output=True, text=True, check=True).stdout
     assert "top spans" in text and all(f"\n   {r} " in text for r in range(4)), text

@@ -220,6 +220,43 @@ def test_lookup_ops_reject_bad_rows(call, unit, bad):
         call(w, Tensor(np.array([1, bad, 2])))
 
 
+def _lookup_cases():
+    """(name, call, args, placements of the DTensor args): each vocab-parallel lookup op with
+    a non-finite value at both blocks' first row/column (global 0 and 6: where a rank's
+    kernel stands in for an index outside its block) and indices that name neither."""
+    rng = np.random.default_rng(0)
+    idx = np.array([1, 7, 3, 9])
+    cols = np.tile(idx, (4, 1))
+    w = rng.standard_normal((V, 4)).astype(np.float32)
+    w[[0, 6]] = np.inf
+    x = rng.standard_normal((4, V)).astype(np.float32)
+    x[:, [0, 6]] = -np.inf  # masked classes, as a padded vocabulary's logits are
+    g = rng.standard_normal((4, 4)).astype(np.float32)
+    g[cols == 7] = np.inf  # a gradient one block's rows hold and the other's do not
+    g[0, 0] = np.nan
+    return [
+        ("index_select", st.index_select, (w, idx), [Shard(0), Replicate()]),
+        ("index_add", st.index_add, (g, idx, w), [Replicate(), Replicate(), Shard(0)]),
+        ("gather", lambda a, i: st.gather(a, i, axis=1), (x, cols), [Shard(1), Replicate()]),
+        ("scatter_add", lambda a, i, like: st.scatter_add(a, i, like, axis=1), (g, cols, x),
+         [Replicate(), Replicate(), Shard(1)]),
+    ]
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_an_index_outside_a_block_contributes_exactly_zero(rank):
+    """A vocab-parallel kernel looks an index outside its block up at entry 0 of the block
+    and must add exactly zero for it, whatever that entry holds: an inf or NaN there (a
+    -inf-masked logit) multiplied by a 0/1 mask is NaN, which the sum over ranks spreads to
+    results the one-process op computes finite. Each op against the one-process run."""
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    for name, call, args, placements in _lookup_cases():
+        want = call(*map(Tensor, args)).numpy()
+        got = call(*(dtensor.distribute_tensor(a, mesh, [p])
+                     for a, p in zip(args, placements))).full_tensor().numpy()
+        np.testing.assert_array_equal(got, want, err_msg=name)  # NaN only where g's own is
+
+
 @pytest.mark.ranks(2, timeout=120)
 def test_bad_index_raises_on_every_rank_with_the_eager_message(rank, comm):
     """Vocab-parallel embedding and loss_parallel cross-entropy over 2 ranks (each holds a

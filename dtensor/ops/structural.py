@@ -363,17 +363,29 @@ def _index_select_impl(w, idx):
     return np.take(w, check_rows(idx, w.shape[0]).reshape(np.shape(idx)), axis=0)
 
 
+def in_block(idx, off: int, n: int):
+    """A vocab-parallel rank's view of global indices ``idx`` into its block ``off .. off + n``:
+    (the index within the block, 0 where it falls outside; whether it falls inside).
+
+    What an index outside the block contributes to the Partial result is exactly zero, set
+    with np.where or by zeroing rows, never by multiplying with the mask: the stand-in entry 0
+    may hold an inf or NaN (0 x inf is NaN), which the sum over ranks would spread to results
+    the single-process op computes finite. (Zeroing rows is also ~3x faster than a
+    broadcast bool multiply: 1024 lookups of 256 floats, 177 -> 53 us.)"""
+    rel = idx - off
+    hit = (rel >= 0) & (rel < n)
+    return np.where(hit, rel, 0), hit
+
+
 def _index_select_local(w, idx, *, in_blocks, out_block):
     off, n = in_blocks[0].rows(0)
     if n == in_blocks[0].shape[0]:
         return _index_select_impl(w, idx)
     if n == 0:  # an empty trailing shard holds none of the rows
         return np.zeros(out_block.local_shape, w.dtype)
-    # vocab-parallel lookup: rows outside this block contribute zeros (Partial)
-    rel = check_rows(idx, in_blocks[0].shape[0]).reshape(np.shape(idx)) - off
-    hit = (rel >= 0) & (rel < n)
-    out = np.take(w, np.where(hit, rel, 0), axis=0)
-    out *= hit.reshape(hit.shape + (1,) * (w.ndim - 1))
+    rel, hit = in_block(check_rows(idx, in_blocks[0].shape[0]).reshape(np.shape(idx)), off, n)
+    out = np.take(w, rel, axis=0)
+    out.reshape(hit.size, -1)[np.flatnonzero(~hit)] = 0
     return out
 
 
@@ -419,8 +431,7 @@ def _index_add_local(g, idx, like, *, in_blocks, out_block):
     if n == 0:
         return np.zeros(out_block.local_shape, g.dtype)
     # vocab-parallel gradient: only the rows this rank holds
-    rel = check_rows(idx, out_block.shape[0]).reshape(np.shape(idx)) - off
-    hit = (rel >= 0) & (rel < n)
+    rel, hit = in_block(check_rows(idx, out_block.shape[0]).reshape(np.shape(idx)), off, n)
     rows = g.reshape((idx.size,) + g.shape[idx.ndim:])[hit.reshape(-1)]
     return index_add_rows(rows, rel[hit], n)
 
@@ -460,9 +471,8 @@ def _gather_local(x, idx, axis, *, in_blocks, out_block):
         return np.take_along_axis(x, idx, axis=axis)
     if n == 0:
         return np.zeros(out_block.local_shape, x.dtype)
-    rel = idx - off
-    hit = (rel >= 0) & (rel < n)
-    return np.take_along_axis(x, np.where(hit, rel, 0), axis=axis) * hit
+    rel, hit = in_block(idx, off, n)
+    return np.where(hit, np.take_along_axis(x, rel, axis=axis), 0)
 
 
 gather = defop(
@@ -497,9 +507,8 @@ def _scatter_add_local(g, idx, like, axis, *, in_blocks, out_block):
     off, n = out_block.rows(axis)
     if n == 0:
         return np.zeros(out_block.local_shape, g.dtype)
-    rel = idx - off
-    hit = (rel >= 0) & (rel < n)
-    return scatter_add_along(g * hit, np.where(hit, rel, 0), axis, n)
+    rel, hit = in_block(idx, off, n)
+    return scatter_add_along(np.where(hit, g, 0), rel, axis, n)
 
 
 scatter_add = defop(

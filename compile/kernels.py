@@ -145,14 +145,16 @@ class Kernel:
         """A constant's value for this kernel (a {itemsize: value} table resolved)."""
         return v[self.dtype.itemsize] if isinstance(v, dict) else v
 
-    def needed(self, targets) -> list:
-        """Column-valued nodes that ``targets`` read (through column-valued nodes), in order."""
+    def needed(self, targets, known=()) -> list:
+        """Column-valued nodes that ``targets`` read (through column-valued nodes), in order,
+        not looking past those in ``known`` (ids of values the caller already has)."""
         want, stack = set(), [t for t in targets if not self.row_valued[id(t)]]
         while stack:
             e = stack.pop()
             if id(e) not in want:
                 want.add(id(e))
-                stack.extend(a for a in e.args if not self.row_valued[id(a)])
+                if id(e) not in known:
+                    stack.extend(a for a in e.args if not self.row_valued[id(a)])
         return [e for e in self.nodes if id(e) in want]
 
     def bind(self, params: dict) -> dict:

@@ -13,8 +13,8 @@ never lets a 0 stand for -7.7e-23 (GELU at -10) or 1.0014e-5 for 1e-5 (tanh). Th
 one IEEE operation (add, mul, sqrt, ...) must agree bit for bit. k: 4 for one transcendental
 call (the C backend's vectorised exp is within 3 ulp), 8 for the compound formulas (GELU and its
 gradients, sigmoid), each further rounding adding under an ulp. Plus the rounding model's
-underflow term, the smallest normal float32 (1.2e-38): the C backend flushes results below it
-to 0, where numpy keeps subnormals.
+underflow term, the smallest normal float32 (1.2e-38): below it a result keeps only the bits a
+subnormal has, so relative error stops meaning anything there.
 """
 from __future__ import annotations
 

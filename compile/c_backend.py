@@ -824,9 +824,9 @@ class _Kernel(kernels.Kernel):
     def _kept(self, reductions):
         """The value the last reduction pass stores in the output row for the final pass, or
         None: the costliest column value both passes compute that holds a transcendental
-        (softmax's exp(x - max), which the final pass divides by the sum). Computed twice,
-        a (1024, 2048) softmax took 4.2 ms against numpy's 3.0. It goes to ``o`` as the
-        kernel's type, which is its own, so the result is the same to the bit."""
+        (softmax's exp(x - max), which the final pass divides by the sum). It is a value of
+        the kernel's type, so reading it back gives the bits computing it again would: a
+        (1024, 2048) softmax, one thread, 2.51 -> 1.78 ms."""
         if self.out_cols != self.C or self.root.prim in X.REDUCTIONS:
             return None
         later = {id(e) for e in self.needed([self.root])}

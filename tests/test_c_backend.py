@@ -101,6 +101,32 @@ def test_row_ops_in_both_float_types(dtype, rtol, shape):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(3, 5, 8), (2, 8, 37), (4, 3, 300)])
+def test_a_value_kept_in_the_output_row_gives_the_bits_of_computing_it_again(
+        dtype, shape, monkeypatch):
+    """A row kernel whose last reduction pass and final pass both need a transcendental value
+    (softmax's exp, causal or not; cross-entropy's backward) keeps it in the output row: the
+    same bits as the kernels that compute it twice, which the eager tests above check."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal(shape) * 4).astype(dtype)
+    t = rng.integers(0, shape[-1], shape[:-1])
+
+    def f(a):
+        a.requires_grad = True
+        ce = F.cross_entropy(a.reshape(-1, shape[-1]), t.reshape(-1))
+        return (nnops.softmax(a, causal=True), F.softmax(a, -1)) + dtensor.autograd.grad(
+            ce, [a])
+
+    kept, kernels = compiled(f, x)
+    sources = [last.kernels[n.id].source for n in kernels]
+    assert sum("o[cc] = " in s for s in sources) == 3, sources  # three kernels keep a value
+    monkeypatch.setattr(c_backend._Kernel, "_kept", lambda self, reductions: None)
+    again, _ = compiled(f, x)
+    for a, b in zip(kept, again):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("dtype,rtol", [(np.float32, 1e-5), (np.float64, 1e-12)])
 def test_layer_norm_backward_takes_the_weight_in_its_kernel(dtype, rtol):
     """LayerNorm's input gradient needs the output's gradient times the weight: the product

@@ -375,3 +375,15 @@ def test_standard_workload_five_steps_as_eager_to_float_rounding(tp):
         total += want.size
     assert far <= 1e-4 * total, (far, total)
     assert ours[2].summary() == eager[2].summary()  # the same collectives
+
+
+def test_a_kernel_argument_address_is_numpys_for_every_kind_of_array():
+    """_ptr takes the buffer protocol's fast path where it can and numpy's address otherwise:
+    both give the first byte of the array as numpy sees it."""
+    readonly = np.zeros(4)
+    readonly.flags.writeable = False
+    cases = [np.zeros((4, 5), np.float32), np.zeros((4, 5))[1:], np.zeros((4, 5))[:, 1:],
+             np.broadcast_to(np.zeros(5), (3, 5)), np.zeros((0, 3)), np.array(3.0),
+             np.arange(6), readonly, np.zeros((6, 4)).T]
+    for a in cases:
+        assert c_backend._ptr(a) == a.ctypes.data, (a.shape, a.strides, a.flags.writeable)

@@ -839,11 +839,15 @@ class _Kernel(kernels.Kernel):
         if self.out_cols != self.C or self.root.prim in X.REDUCTIONS:
             return None
         later = {id(e) for e in self.needed([self.root])}
-        both = [e for e in self.needed([e.args[0] for e in reductions]) if id(e) in later]
-        costly = [e for e in both if e.prim not in _COMPARE + ("not",)  # a T value
-                  and any(d.prim in _TRANSCENDENTAL for d in X.topo([e]))
-                  and not any(d.prim == "cast" for d in X.topo([e]))]
-        return max(costly, key=lambda e: len(X.topo([e])), default=None)
+        best, cost = None, 0
+        for e in self.needed([e.args[0] for e in reductions]):
+            tree = X.topo([e])
+            prims = {d.prim for d in tree}
+            if (id(e) in later and e.prim not in _COMPARE + ("not",)  # a value of type T
+                    and prims & set(_TRANSCENDENTAL) and "cast" not in prims
+                    and len(tree) > cost):
+                best, cost = e, len(tree)
+        return best
 
     def _reduce(self, reductions, T, kept=None) -> list:
         """One pass over the row for ``reductions``: 8 lanes (a vector accumulator, fed from
@@ -880,10 +884,10 @@ class _Kernel(kernels.Kernel):
         keep = [] if kept is None else [f"o[cc] = {self._name(kept)};"]
         out += self._body(args, " " * 16)
         out += [f"                s{self.index[id(e)]}[l] = {self._name(e.args[0])};"
-                for e in reductions] + [" " * 16 + k for k in keep]
+                for e in reductions] + ["                " + k for k in keep]
         out += ["            }"] + steps + ["        }"] + ends
         out += ["        for (; c < n; c++) {", "            const int64_t cc = c;"]
-        out += self._body(args, " " * 12) + [" " * 12 + k for k in keep]
+        out += self._body(args, " " * 12) + ["            " + k for k in keep]
         out += [f"            {fold(e, f'v{self.index[id(e)]}', self._name(e.args[0]))}"
                 for e in reductions]
         out += ["        }", "        }"]

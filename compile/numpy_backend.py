@@ -38,7 +38,7 @@ def runner(n: Node, kernels: dict):
     """What runs node ``n``, read from its fields (the graph holds no callables): the backend
     kernel made for it (``kernels``: node id -> kernel), the collective its step names, a
     compiler op's function, or its op's impl or local kernel on its blocks."""
-    from dtensor.compile.passes import collectives, fusion
+    from dtensor.compile.passes import collectives, fusion, simplify
     from dtensor.ops.registry import OPS
     from dtensor.redistribute import Step, run_step
     if n.id in kernels:
@@ -54,7 +54,8 @@ def runner(n: Node, kernels: dict):
     if n.name in ("fused", "fused_rows"):
         return GroupKernel(n, kernels_layer.members(n))
     compiler_ops = {"adamw_group": adamw_group, "adamw_part": fusion.adamw_part,
-                    "bucket_part": collectives.bucket_part, "wait": collectives.bucket_wait}
+                    "bucket_part": collectives.bucket_part, "wait": collectives.bucket_wait,
+                    "add_at": simplify.add_at}
     if n.name in compiler_ops:
         return compiler_ops[n.name]
     op = OPS[n.name]

@@ -10,7 +10,9 @@ from test_ops import CASES, SAMPLES, _wrap
 import dtensor
 from dtensor.comm import count_collectives
 from dtensor.nn import GPT, Block, GPTConfig
+from dtensor import Tensor
 from dtensor.ops import OPS, apply
+from dtensor.ops import structural as st
 
 SMALL = dict(vocab_size=96, n_layer=2, n_embd=32, n_head=4, mlp_hidden=64, block_size=16,
              bias=False)
@@ -463,3 +465,70 @@ def test_updating_a_tensor_the_compiled_function_cannot_see_is_an_error():
     with pytest.raises(dtensor.compile.TracingError, match=r"not reach as an input is updated"):
         dtensor.compile(step)(idx, idx)
     assert all(isinstance(p.data, np.ndarray) for p in hidden["model"].parameters())
+
+
+# ----------------------------------------------------------------------------- fold_scatter_adds
+
+def _scatter_inputs():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((4, 12)).astype(np.float32)
+    x[1, 2], x[2, 5] = -0.0, np.inf
+    g = rng.standard_normal((4, 1)).astype(np.float32)
+    g[3, 0] = np.nan
+    return x, g, np.array([[1], [7], [5], [11]])
+
+
+FOLD_CASES = {  # name: (function of x, g, idx; whether the pass folds it)
+    "a + scatter": (lambda x, g, i: x * 2.0 + st.scatter_add(g, i, x, axis=1), True),
+    "scatter + a": (lambda x, g, i: st.scatter_add(g, i, x, axis=1) + (x - 1.0), True),
+    "an input + scatter": (lambda x, g, i: x + st.scatter_add(g, i, x, axis=1), True),
+    "a read twice": (lambda x, g, i: (lambda a: (a + st.scatter_add(g, i, x, axis=1), a))(
+        x * 2.0), False),
+    "scatter read twice": (lambda x, g, i: (lambda s: (x * 2.0 + s, s))(
+        st.scatter_add(g, i, x, axis=1)), False),
+    "indices along dim 0": (lambda x, g, i: x.mT * 2.0 + st.scatter_add(
+        g.mT, i.mT, x.mT, axis=0), True),
+    "several indices a row": (lambda x, g, i: x * 2.0 + st.scatter_add(
+        g * Tensor(np.ones((1, 3), np.float32)), st.cat(i, i, i, axis=1), x, axis=1), False),
+}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("case", list(FOLD_CASES))
+def test_an_add_of_a_one_hot_scatter_is_folded_into_the_add(case, backend):
+    """``a + scatter_add(g, idx)`` with one index a row and no other reader of either becomes
+    ``add_at`` (g added into a where idx points): the eager values (NaN, inf and a -0 in a
+    included), the inputs untouched (an input as a is copied, not written over), and the
+    cases that must keep the scatter keep it."""
+    f, folds = FOLD_CASES[case]
+    x, g, i = _scatter_inputs()
+    keep = x.copy()
+    run = dtensor.compile(lambda *a: f(*a), backend=backend)
+    got = run(Tensor(x), Tensor(g), Tensor(i))
+    want = f(Tensor(x), Tensor(g), Tensor(i))
+    for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, want))):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_array_equal(x, keep)
+    names = [n.name for n in run.last.graph.nodes]
+    assert ("add_at" in names) == folds and ("scatter_add" in names) != folds, names
+
+
+@pytest.mark.ranks(2, timeout=120)
+def test_a_folded_vocab_parallel_scatter_adds_nothing_outside_its_block(rank):
+    """On a block of the vocabulary (loss_parallel's gradient), the folded add adds g only at
+    the indices inside this rank's block, exactly as the scatter_add local kernel: with an
+    inf and a NaN in g, the compiled sum is the one-process one."""
+    from dtensor.placements import Replicate, Shard
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    x, g, i = _scatter_inputs()
+    g[1, 0] = np.inf
+
+    def f(x, g, i):
+        return x * 2.0 + st.scatter_add(g, i, x, axis=1)
+
+    run = dtensor.compile(f, backend="c")
+    args = [dtensor.distribute_tensor(a, mesh, [p])
+            for a, p in zip((x, g, i), (Shard(1), Replicate(), Replicate()))]
+    got = run(*args)
+    assert "add_at" in [n.name for n in run.last.graph.nodes]
+    np.testing.assert_array_equal(got.full_tensor().numpy(), f(*map(Tensor, (x, g, i))).numpy())

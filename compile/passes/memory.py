@@ -18,7 +18,7 @@ from dtensor.graph import KERNEL_KINDS, Graph, Node
 
 # Ops whose result may share memory with their (first) input.
 VIEW_OPS = frozenset({"reshape", "permute", "getitem", "broadcast_to", "bucket_part", "wait",
-                      "adamw_part"})
+                      "adamw_part", "add_at"})
 
 
 def _out_capable(n: Node) -> bool:
@@ -66,6 +66,8 @@ def plan_memory(graph: Graph) -> Graph:
         busy = still
         if n.name == "adamw_group" and _updates_in_place(n, i, index, users):
             n.params["in_place"] = True
+        if n.name == "add_at":  # its input's buffer is its own: nothing else reads it
+            n.params["in_place"] = n.inputs[0].buffer is not None
         if n.id in escaping or not _out_capable(n):
             continue
         size = -(-max(1, int(np.prod(n.shape)) * n.dtype.itemsize) // _ALIGN) * _ALIGN

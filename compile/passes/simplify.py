@@ -62,3 +62,64 @@ def cse(graph: Graph) -> Graph:
     graph.nodes = kept
     graph.outputs = [sub(o) for o in graph.outputs]
     return graph
+
+
+def _one_hot_scatter(s, shape) -> bool:
+    """Whether ``s`` is a scatter_add of one index per row along its axis into zeros of
+    ``shape`` (a gather's gradient: cross-entropy's target column)."""
+    if not (isinstance(s, Node) and s.kind == "op" and s.name == "scatter_add"
+            and tuple(s.shape) == tuple(shape)):
+        return False
+    idx = s.inputs[1]
+    axis = s.params["axis"] % len(s.shape)
+    return isinstance(idx, Node) and idx.shape[axis] == 1
+
+
+def fold_scatter_adds(graph: Graph) -> Graph:
+    """``a + scatter_add(g, idx)``, one index per row, where nothing else reads ``a`` or the
+    scatter: ``g`` added into ``a`` at ``idx`` (``add_at``), in place. The scatter wrote a
+    whole tensor of zeros and the sum read it back for a handful of values: cross-entropy's
+    backward over a (tokens, vocab) block, softmax minus the one-hot target, read and wrote
+    3 vocab-wide arrays instead of 1. The same bits (each written element is a + g, rounded
+    once; the rest keep a's, where a + 0 could only turn -0 into +0)."""
+    users = graph.users()
+    outputs = {o.id for o in graph.outputs if isinstance(o, Node)}
+    drop = set()
+    for n in graph.nodes:  # (a "fused" add has not formed yet: fuse_pointwise runs later)
+        if not (n.kind == "op" and n.name == "add" and n.variant == "impl"
+                and len(n.inputs) == 2):
+            continue
+        for a, s in (n.inputs, n.inputs[::-1]):
+            if (_one_hot_scatter(s, n.shape) and isinstance(a, Node)
+                    and tuple(a.shape) == tuple(n.shape)
+                    and a.dtype == n.dtype == s.dtype
+                    and a.id not in outputs and s.id not in outputs
+                    and len(users[s.id]) == 1  # (a may be the scatter's shape template too)
+                    and all(u is n or u is s for u in users[a.id])):
+                axis = s.params["axis"] % len(s.shape)
+                block = s.blocks[1].rows(axis) if s.variant == "local" else None
+                n.name, n.inputs = "add_at", [a, s.inputs[0], s.inputs[1]]
+                n.params = {"axis": axis, "block": block}
+                drop.add(s.id)
+                break
+    graph.nodes = [n for n in graph.nodes if n.id not in drop]
+    return graph
+
+
+def add_at(a, g, idx, *, axis: int, block=None, in_place: bool = False):
+    """``a`` with ``g`` added at ``idx`` along ``axis`` (one index per row); ``block``: (first
+    index, count) of a vocab-parallel rank's block along ``axis``, where an index outside it
+    adds nothing (as scatter_add's local kernel). ``in_place``: into ``a``, which the memory
+    plan gave a buffer of its own (plan_memory), else into a copy."""
+    if not in_place:
+        a = a.copy()
+    grids = list(np.indices(idx.shape, sparse=True))
+    if block is not None:
+        from dtensor.ops.structural import in_block
+        idx, hit = in_block(idx, *block)
+        g = g[hit]
+        grids = [np.broadcast_to(x, idx.shape)[hit] for x in grids]
+        idx = idx[hit]
+    grids[axis] = idx
+    a[tuple(grids)] += g
+    return a

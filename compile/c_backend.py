@@ -868,9 +868,10 @@ class _Kernel(kernels.Kernel):
         return best
 
     def _reduce(self, reductions, T, kept=None) -> list:
-        """One pass over the row for ``reductions``: 8 lanes (a vector accumulator, fed from
-        an array of the 8 columns' terms), then the tail, in order; ``kept`` also goes to
-        the output row."""
+        """One pass over the row for ``reductions``: 16 columns a step (a sum's 8 lanes of
+        each half into its own vector accumulator, added at the end: two chains of
+        latencies, not one, as a 2048-column row's sum was bound by), then the tail, in
+        order; ``kept`` also goes to the output row."""
         def fold(e, acc, x):  # acc takes x in, as e's reduction does
             return (f"{acc} = {acc} + {x};" if e.prim == "rowsum" else
                     f"{acc} = {x} > {acc} ? {x} : {acc};")
@@ -879,25 +880,28 @@ class _Kernel(kernels.Kernel):
         steps, ends = [], []  # per reduction: its vector step, and its lanes folded into v
         for e in reductions:
             i = self.index[id(e)]
-            init = "0" if e.prim == "rowsum" else "-INFINITY"
-            # a max's lanes as a plain array: its lane-by-lane fold into a vector type was
-            # left scalar (GCC 12: "unsupported use"), as an array it is one vector compare
-            # and blend (a (1024, 2048) softmax's max pass, 8 MB: ~1 ms -> 0.29 ms)
-            acc = f"{T}_8 a{i}" if e.prim == "rowsum" else f"{T} a{i}[8]"
-            out += [f"        {acc} = {{{', '.join([init] * 8)}}};", f"        {T} s{i}[8];"]
+            init = "{" + ", ".join(["0" if e.prim == "rowsum" else "-INFINITY"] * 8) + "}"
+            out.append(f"        {T} s{i}[16];")
             if e.prim == "rowsum":
-                steps.append(f"            {{ {T}_8 t; memcpy(&t, s{i}, sizeof t); "
-                             f"a{i} = a{i} + t; }}")
-                ends.append(f"        v{i} = ((a{i}[0] + a{i}[1]) + (a{i}[2] + a{i}[3])) + "
-                            f"((a{i}[4] + a{i}[5]) + (a{i}[6] + a{i}[7]));")
+                out.append(f"        {T}_8 a{i} = {init}, b{i} = {init};")
+                steps.append(f"            {{ {T}_8 t, u; memcpy(&t, s{i}, sizeof t); "
+                             f"memcpy(&u, s{i} + 8, sizeof u); a{i} = a{i} + t; "
+                             f"b{i} = b{i} + u; }}")
+                ends += [f"        a{i} = a{i} + b{i};",
+                         f"        v{i} = ((a{i}[0] + a{i}[1]) + (a{i}[2] + a{i}[3])) + "
+                         f"((a{i}[4] + a{i}[5]) + (a{i}[6] + a{i}[7]));"]
             else:
-                steps.append(f"            for (int l = 0; l < 8; l++) "
-                             f"{fold(e, f'a{i}[l]', f's{i}[l]')}")
+                # a max's lanes as a plain array: its lane-by-lane fold into a vector type was
+                # left scalar (GCC 12: "unsupported use"), as an array it is one vector
+                # compare and blend (a (1024, 2048) softmax's max pass, 8 MB: ~1 ms -> 0.29 ms)
+                out.append(f"        {T} a{i}[8] = {init};")
+                steps.append(f"            for (int l = 0; l < 16; l++) "
+                             f"{fold(e, f'a{i}[l % 8]', f's{i}[l]')}")
                 ends += [f"        v{i} = a{i}[0];",
                          f"        for (int l = 1; l < 8; l++) {fold(e, f'v{i}', f'a{i}[l]')}"]
         args = [e.args[0] for e in reductions]
-        out += ["        int64_t c = 0;", "        for (; c + 8 <= n; c += 8) {",
-                "            for (int l = 0; l < 8; l++) {",
+        out += ["        int64_t c = 0;", "        for (; c + 16 <= n; c += 16) {",
+                "            for (int l = 0; l < 16; l++) {",
                 "                const int64_t cc = c + l;"]
         keep = [] if kept is None else [f"o[cc] = {self._name(kept)};"]
         out += self._body(args, " " * 16)

@@ -387,3 +387,32 @@ def test_a_kernel_argument_address_is_numpys_for_every_kind_of_array():
              np.arange(6), readonly, np.zeros((6, 4)).T]
     for a in cases:
         assert c_backend._ptr(a) == a.ctypes.data, (a.shape, a.strides, a.flags.writeable)
+
+
+@pytest.mark.parametrize("keepdims", [True, False])
+@pytest.mark.parametrize("shape", [(3, 1), (2, 15), (4, 16), (3, 17), (2, 33), (2, 3, 300),
+                                   (1, 2048)])
+def test_a_last_dim_sum_alone_is_a_row_kernel_within_its_rounding_bound(shape, keepdims):
+    """A sum over the last dim with nothing to fuse runs as a C row kernel (16 columns a step
+    into two 8-lane accumulators, then the tail): against float64 within the bound of a
+    float32 sum of n terms, n eps sum |x|, for every row length around the step (an inf and
+    a NaN row as numpy's); a max stays numpy's (the kernel's row max would skip a NaN)."""
+    from dtensor.ops import structural as st
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4, shape)).astype(np.float32)
+    x.reshape(-1, shape[-1])[0, -1] = np.nan
+    if x.reshape(-1, shape[-1]).shape[0] > 2:
+        x.reshape(-1, shape[-1])[2, 0] = np.inf
+    axis = (len(shape) - 1,)
+    (got, top), kernels = compiled(lambda a: (st.sum(a, axis=axis, keepdims=keepdims),
+                                              st.max(a, axis=axis, keepdims=keepdims)), x)
+    assert ops_in(kernels) == {"sum"}, ops_in(kernels)
+    want = x.astype(np.float64).sum(axis=-1, keepdims=keepdims)
+    bound = shape[-1] * np.finfo(np.float32).eps * np.abs(x).astype(np.float64).sum(
+        axis=-1, keepdims=keepdims)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(got[~finite], want[~finite].astype(np.float32))
+    assert (np.abs(got[finite] - want[finite]) <= bound[finite]).all()
+    np.testing.assert_array_equal(top, x.max(axis=-1, keepdims=keepdims))

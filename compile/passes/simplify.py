@@ -80,8 +80,9 @@ def fold_scatter_adds(graph: Graph) -> Graph:
     scatter: ``g`` added into ``a`` at ``idx`` (``add_at``), in place. The scatter wrote a
     whole tensor of zeros and the sum read it back for a handful of values: cross-entropy's
     backward over a (tokens, vocab) block, softmax minus the one-hot target, read and wrote
-    3 vocab-wide arrays instead of 1. The same bits (each written element is a + g, rounded
-    once; the rest keep a's, where a + 0 could only turn -0 into +0)."""
+    3 vocab-wide arrays instead of 1. The same values: each element at an index is a + g
+    rounded once, as before; the others keep a's bits (the sum's a + 0 gave the same value,
+    +0 for a -0)."""
     users = graph.users()
     outputs = {o.id for o in graph.outputs if isinstance(o, Node)}
     drop = set()

@@ -6,8 +6,8 @@ and optimizer state become graph inputs and outputs, updated in place after each
 eager updates them. The pipeline (DTENSOR_DEBUG=2 prints the graph after each step, =3 the
 generated code, on rank 0):
 
-    trace (dtensor/tracer.py) -> dce -> cse -> fold_scatter_adds -> bucket_all_reduces
-    -> fuse_pointwise -> fuse_adamw
+    trace (dtensor/tracer.py) -> dce -> cse -> fold_scatter_adds -> fold_product_sums
+    -> bucket_all_reduces -> fuse_pointwise -> fuse_adamw
     -> [C or Triton kernels for fused groups and row-wise ops] -> plan_memory -> numpy codegen
 
 Example:
@@ -37,6 +37,7 @@ __all__ = ["compile", "Compiled", "TracingError", "RecompileWarning"]
 
 PASSES = (("shard_broadcasts", passes.shard_broadcasts), ("dce", passes.dce), ("cse", passes.cse),
           ("fold_scatter_adds", passes.fold_scatter_adds),
+          ("fold_product_sums", passes.fold_product_sums),
           ("bucket_all_reduces", passes.bucket_all_reduces),
           ("fuse_pointwise", passes.fuse_pointwise), ("fuse_adamw", passes.fuse_adamw),
           ("plan_memory", passes.plan_memory))

@@ -55,7 +55,7 @@ def runner(n: Node, kernels: dict):
         return GroupKernel(n, kernels_layer.members(n))
     compiler_ops = {"adamw_group": adamw_group, "adamw_part": fusion.adamw_part,
                     "bucket_part": collectives.bucket_part, "wait": collectives.bucket_wait,
-                    "add_at": simplify.add_at}
+                    "add_at": simplify.add_at, "sum_of_products": simplify.sum_of_products}
     if n.name in compiler_ops:
         return compiler_ops[n.name]
     op = OPS[n.name]

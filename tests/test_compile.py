@@ -532,3 +532,35 @@ def test_a_folded_vocab_parallel_scatter_adds_nothing_outside_its_block(rank):
     got = run(*args)
     assert "add_at" in [n.name for n in run.last.graph.nodes]
     np.testing.assert_array_equal(got.full_tensor().numpy(), f(*map(Tensor, (x, g, i))).numpy())
+
+
+PRODUCT_SUM_CASES = {  # name: (function of a, b; whether fold_product_sums folds it)
+    "over the leading dims, kept": (lambda a, b: st.sum(a * b, axis=(0, 1), keepdims=True), True),
+    "over the leading dims": (lambda a, b: st.sum(a * b, axis=(0, 1), keepdims=False), True),
+    "2-d": (lambda a, b: st.sum(a.reshape(-1, 9) * b.reshape(-1, 9), axis=(0,),
+                                keepdims=False), True),
+    "product read twice": (lambda a, b: (lambda p: (st.sum(p, axis=(0, 1), keepdims=True), p))(
+        a * b), False),
+    "over the last dim": (lambda a, b: st.sum(a * b, axis=(2,), keepdims=True), False),
+    "a broadcast operand": (lambda a, b: st.sum(a * b[0, 0], axis=(0, 1), keepdims=True), False),
+}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("case", list(PRODUCT_SUM_CASES))
+def test_a_sum_of_a_product_over_the_leading_dims_is_one_pass(case, backend):
+    """sum(a * b) over every dim but the last, the product read by nothing else, becomes one
+    sum_of_products pass: eager's values within the rounding bound of a float32 sum of n
+    products (n eps sum|a b|), and the cases that must keep the product keep it."""
+    f, folds = PRODUCT_SUM_CASES[case]
+    rng = np.random.default_rng(8)
+    a, b = (rng.standard_normal((4, 6, 9)).astype(np.float32) for _ in "ab")
+    run = dtensor.compile(f, backend=backend)
+    got = run(Tensor(a), Tensor(b))
+    want = f(Tensor(a), Tensor(b))
+    got, want = (o if isinstance(o, tuple) else (o,) for o in (got, want))
+    bound = 24 * np.finfo(np.float32).eps * np.abs(a * b).sum()
+    for x, w in zip(got, want):
+        np.testing.assert_allclose(x.numpy(), w.numpy(), rtol=0, atol=bound)
+    names = [n.name for n in run.last.graph.nodes]
+    assert ("sum_of_products" in names) == folds, names

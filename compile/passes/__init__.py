@@ -2,7 +2,7 @@
 from dtensor.compile.passes.collectives import bucket_all_reduces, shard_broadcasts
 from dtensor.compile.passes.fusion import fuse_adamw, fuse_pointwise
 from dtensor.compile.passes.memory import plan_memory
-from dtensor.compile.passes.simplify import cse, dce, fold_scatter_adds
+from dtensor.compile.passes.simplify import cse, dce, fold_product_sums, fold_scatter_adds
 
-__all__ = ["shard_broadcasts", "dce", "cse", "fold_scatter_adds", "bucket_all_reduces",
-           "fuse_pointwise", "fuse_adamw", "plan_memory"]
+__all__ = ["shard_broadcasts", "dce", "cse", "fold_scatter_adds", "fold_product_sums",
+           "bucket_all_reduces", "fuse_pointwise", "fuse_adamw", "plan_memory"]

@@ -90,7 +90,7 @@ def fold_scatter_adds(graph: Graph) -> Graph:
         if not (n.kind == "op" and n.name == "add" and n.variant == "impl"
                 and len(n.inputs) == 2):
             continue
-        for a, s in (n.inputs, n.inputs[::-1]):
+        for k, (a, s) in enumerate((n.inputs, n.inputs[::-1])):
             if (_one_hot_scatter(s, n.shape) and isinstance(a, Node)
                     and tuple(a.shape) == tuple(n.shape)
                     and a.dtype == n.dtype == s.dtype
@@ -101,6 +101,8 @@ def fold_scatter_adds(graph: Graph) -> Graph:
                 block = s.blocks[1].rows(axis) if s.variant == "local" else None
                 n.name, n.inputs = "add_at", [a, s.inputs[0], s.inputs[1]]
                 n.params = {"axis": axis, "block": block}
+                if n.specs is not None and s.specs is not None:  # (what the graph prints)
+                    n.specs = ((n.specs[0][k], *s.specs[0][:2]), n.specs[1])
                 drop.add(s.id)
                 break
     graph.nodes = [n for n in graph.nodes if n.id not in drop]
@@ -124,3 +126,37 @@ def add_at(a, g, idx, *, axis: int, block=None, in_place: bool = False):
     grids[axis] = idx
     a[tuple(grids)] += g
     return a
+
+
+def fold_product_sums(graph: Graph) -> Graph:
+    """``sum(a * b)`` over every dim but the last, nothing else reading the product: one
+    ``sum_of_products`` pass that never writes the product (a LayerNorm's weight gradient,
+    g * x_hat summed over the tokens: a (1024, 256) product written and read back, 80 -> 53
+    us). numpy sums the leading dims row by row, as einsum does: the same order."""
+    users = graph.users()
+    outputs = {o.id for o in graph.outputs if isinstance(o, Node)}
+    drop = set()
+    for n in graph.nodes:
+        m = n.inputs[0] if n.kind == "op" and n.name == "sum" and n.inputs else None
+        if not (isinstance(m, Node) and n.variant == "impl" and len(m.shape) >= 2
+                and tuple(n.params["axis"] or ()) == tuple(range(len(m.shape) - 1))
+                and m.kind == "op" and m.name == "mul" and m.variant == "impl"
+                and m.id not in outputs and len(users[m.id]) == 1 and len(m.inputs) == 2
+                and all(isinstance(a, Node) and tuple(a.shape) == tuple(m.shape)
+                        and a.dtype == m.dtype for a in m.inputs)
+                and m.dtype.kind == "f"):
+            continue
+        n.name, n.inputs = "sum_of_products", list(m.inputs)
+        if n.specs is not None and m.specs is not None:  # (what the graph prints)
+            n.specs = (m.specs[0], n.specs[1])
+        n.params = {"keepdims": bool(n.params.get("keepdims"))}
+        drop.add(m.id)
+    graph.nodes = [n for n in graph.nodes if n.id not in drop]
+    return graph
+
+
+def sum_of_products(a, b, *, keepdims: bool):
+    """(a * b) summed over every dim but the last."""
+    c = a.shape[-1]
+    out = np.einsum("rc,rc->c", a.reshape(-1, c), b.reshape(-1, c))
+    return out.reshape((1,) * (a.ndim - 1) + (c,)) if keepdims else out

@@ -112,19 +112,15 @@ def fold_scatter_adds(graph: Graph) -> Graph:
 def add_at(a, g, idx, *, axis: int, block=None, in_place: bool = False):
     """``a`` with ``g`` added at ``idx`` along ``axis`` (one index per row); ``block``: (first
     index, count) of a vocab-parallel rank's block along ``axis``, where an index outside it
-    adds nothing (as scatter_add's local kernel). ``in_place``: into ``a``, which the memory
-    plan gave a buffer of its own (plan_memory), else into a copy."""
+    adds exactly 0, as in scatter_add's local kernel. ``in_place``: into ``a``, which the
+    memory plan gave a buffer of its own (plan_memory), else into a copy."""
     if not in_place:
         a = a.copy()
-    grids = list(np.indices(idx.shape, sparse=True))
     if block is not None:
         from dtensor.ops.structural import in_block
         idx, hit = in_block(idx, *block)
-        g = g[hit]
-        grids = [np.broadcast_to(x, idx.shape)[hit] for x in grids]
-        idx = idx[hit]
-    grids[axis] = idx
-    a[tuple(grids)] += g
+        g = np.where(hit, g, 0)
+    np.put_along_axis(a, idx, np.take_along_axis(a, idx, axis) + g, axis)
     return a
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from dtensor import observe
 from dtensor.compile import cache
 from dtensor.compile import kernels as kernels_layer
+from dtensor.compile.passes import collectives
 from dtensor.graph import KERNEL_KINDS, Graph, Node, Slot
 from dtensor.ops import blockwise
 from dtensor.ops.structural import index_key
@@ -119,7 +120,12 @@ def generate(graph: Graph, name: str, kernels: dict) -> tuple[str, dict]:
             args.append(f"**{const(fixed)}")
         args += [f"{k}=S[{v.index}]" + (f"[{v.name!r}]" if v.name != "key" else "")
                  for k, v in slots.items()]
-        if n.buffer is not None:
+        if n.staged_for is not None:  # the all-reduce's shared slot, else its buffer
+            c = n.staged_for
+            stage = functools.partial(collectives.stage,
+                                      group=c.specs[1].mesh.get_group(c.params["mesh_dim"]))
+            args.append(f"out={const(stage)}(B[{n.buffer}])")
+        elif n.buffer is not None:
             args.append(f"out=B[{n.buffer}]")
         view = _VIEWS.get(n.name) if n.kind == "op" and n.variant == "impl" else None
         if view is not None and n.id not in kernels and not slots and n.buffer is None:

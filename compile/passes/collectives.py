@@ -147,3 +147,10 @@ def bucket_all_reduces(graph: Graph) -> Graph:
                 nodes.append(n)
         graph.nodes = nodes
     return graph
+
+
+def stage(buffer: np.ndarray, group) -> np.ndarray:
+    """Where a staged producer writes (passes/memory.py): its all-reduce's shared slot, else
+    its own planned ``buffer``."""
+    slot = group.all_reduce_operand(buffer.shape, buffer.dtype)
+    return buffer if slot is None else slot

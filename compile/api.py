@@ -122,14 +122,15 @@ def _set_data(t, arr) -> None:
 
 
 def _sig(x):
-    """What about a value makes a different graph."""
+    """What about a value makes a different graph. (Dtypes as themselves: str(dtype) took 2.6
+    us, and a standard step's key reads ~140 of them on every call.)"""
     if _is_dtensor(x):
         s = x._spec
-        return ("dtensor", s.shape, str(s.dtype), s.placements, s.mesh, x.requires_grad)
+        return ("dtensor", s.shape, s.dtype, s.placements, s.mesh, x.requires_grad)
     if hasattr(x, "data") and isinstance(getattr(x, "data"), np.ndarray):
-        return ("tensor", x.data.shape, str(x.data.dtype), x.requires_grad)
+        return ("tensor", x.data.shape, x.data.dtype, x.requires_grad)
     if isinstance(x, np.ndarray):
-        return ("array", x.shape, str(x.dtype))
+        return ("array", x.shape, x.dtype)
     try:
         hash(x)
         return ("value", x)

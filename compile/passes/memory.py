@@ -134,12 +134,13 @@ def _donate_to_collectives(graph: Graph) -> None:
     0.48 ms for 1 MB at 2 ranks). The result keeps the buffer, whose lifetime the plan already
     extends over the collective's result (see ``root`` above).
 
-    And when no collective, nor another such producer, runs between the buffer's producer and
-    the all-reduce, the producer is staged: it writes into the shared slot the all-reduce
-    posts from (Comm.all_reduce_operand), which saves that copy, and the all-reduce's result
-    takes the buffer (``buffer`` stays the producer's fallback where the group has no slot).
-    The copy into a slot the peers read last time costs ~100 us a MB, against ~25 into
-    private memory, and a tensor-parallel step makes one for each row-parallel GEMM."""
+    And when no collective runs between the buffer's producer and the all-reduce (so no other
+    call can take the slot first), the producer is staged: it writes into the shared slot the
+    all-reduce posts from (Comm.all_reduce_operand), which saves that copy, and the
+    all-reduce's result takes the buffer (``buffer`` stays the producer's fallback where the
+    group has no slot). The copy into a slot the peers read last time costs ~100 us a MB,
+    against ~25 into private memory, and a tensor-parallel step makes one for each
+    row-parallel GEMM."""
     users = graph.users()
     index = {n.id: i for i, n in enumerate(graph.nodes)}
     last = -1  # the last collective so far

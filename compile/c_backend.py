@@ -756,7 +756,30 @@ def _spell(e, args, ctype: str) -> str:
     if e.prim == "const":
         return _c_literal(e.attr, ctype == "float")
     fmt = {"f": "f" if ctype == "float" else "", "s": _SUFFIX[ctype], "T": ctype}
+    if e.prim == "exp" and _sign(e.args[0]) < 0:  # no upper clamp (dt_exp_upto_f32)
+        return f"(dt_exp_upto_{fmt['s']}({args[0]}, INFINITY))"
     return "(" + _SPELL[e.prim].format(*args, a=e.attr, **fmt) + ")"
+
+
+def _sign(e) -> int:
+    """-1: ``e`` is never above 0, 1: never below 0 (a NaN aside), 0: unknown. GELU's
+    exp(-x^2 / 2) and softmax's exp(x - rowmax(x)) then skip exp's upper clamp."""
+    a = e.args
+    if e.prim == "const":
+        vals = e.attr.values() if isinstance(e.attr, dict) else [e.attr]
+        if all(isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+               for v in vals):
+            return 1 if all(v >= 0 for v in vals) else -1 if all(v <= 0 for v in vals) else 0
+        return 0
+    if e.prim in ("abs", "exp", "sqrt") or (e.prim == "mul" and a[0] is a[1]):
+        return 1
+    if e.prim == "neg":
+        return -_sign(a[0])
+    if e.prim == "mul":
+        return _sign(a[0]) * _sign(a[1])
+    if e.prim == "sub" and a[1].prim == "rowmax" and a[1].args[0] is a[0]:
+        return -1
+    return 0
 
 
 def _supported(k: kernels.Kernel) -> bool:

@@ -54,6 +54,52 @@ def test_exp_is_within_two_ulp_over_the_float_range():
     assert np.isnan(got[-1]) and got[-3] == np.inf and got[-2] == 0
 
 
+def _sign_cases():
+    from dtensor.ops import expr as K
+    x, y = K.E("in", (), 0), K.E("in", (), 1)
+    return [  # (expression, sign: -1 never above 0, 1 never below, 0 unknown)
+        (x * x * -0.5, -1), (x * x, 1), (K.abs(x), 1), (-K.abs(x), -1), (K.exp(x), 1),
+        (-K.exp(x), -1), (x - K.rowmax(x), -1), (x - K.rowmax(y), 0), (x, 0),
+        (x * -0.5, 0), (x * y, 0), (K.lift({4: -1.0, 8: -2.0}) * K.abs(x), -1),
+        (K.lift({4: -1.0, 8: 2.0}) * K.abs(x), 0), (K.lift(True) * x, 0),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_sign_cases())))
+def test_the_sign_of_an_exp_argument(case):
+    """What _sign knows (exp's upper clamp is dropped only where its argument cannot be
+    positive), and what it must not claim."""
+    e, want = _sign_cases()[case]
+    assert c_backend._sign(e) == want
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_exp_without_its_upper_clamp_changes_no_bit(dtype, monkeypatch):
+    """GELU, its gradient and softmax, whose exps take no positive argument, render
+    dt_exp_upto (no upper clamp): the same bits as with the clamp, over the tails, infinities
+    and NaN."""
+    x = np.concatenate([np.linspace(-1e4, 1e4, 4000), np.linspace(-12, 12, 4003),
+                        [np.inf, -np.inf, np.nan, 0.0, -0.0]]).astype(dtype).reshape(-1, 8)
+    g = np.random.default_rng(0).standard_normal(x.shape).astype(dtype)
+
+    def f(x, g):
+        x.requires_grad = True
+        y = F.gelu(x)
+        return (y, dtensor.autograd.grad((y * g).sum(), [x])[0],
+                F.softmax(x, -1))
+
+    with np.errstate(all="ignore"):
+        got, _ = compiled(f, x, g)
+        sources = "".join(k.source for k in last.kernels.values())
+        assert sources.count("dt_exp_upto_") >= 3, sources  # each of the three
+        monkeypatch.setattr(c_backend, "_sign", lambda e: 0)
+        want, _ = compiled(f, x, g)
+    assert "dt_exp_upto_" not in "".join(k.source for k in last.kernels.values())
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+
 # atol: a float rounding of values of order 1 inside the formula (Phi near x = -2.3 is ~0.01)
 @pytest.mark.parametrize("dtype,rtol,atol", [(np.float32, 2e-6, 1e-7), (np.float64, 1e-12, 1e-15)])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])

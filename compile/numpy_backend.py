@@ -48,9 +48,12 @@ def runner(n: Node, kernels: dict):
         mesh, dim = n.specs[1].mesh, n.params["mesh_dim"]
         if n.name == "all_reduce_bucket":
             return functools.partial(collectives.bucket_start, group=mesh.get_group(dim))
-        args = tuple((k, v) for k, v in n.params.items() if k not in ("mesh_dim", "donate"))
+        args = tuple((k, v) for k, v in n.params.items()
+                     if k not in ("mesh_dim", "donate", "add"))
         run = functools.partial(run_step, step=Step(n.name, dim, args, n.specs[1].placements),
                                 mesh=mesh, donate=n.params.get("donate", False))
+        if n.params.get("add"):
+            run = functools.partial(collectives.all_reduce_add, run=run)
         return _caused(run, n.cause) if n.cause else run
     if n.name in ("fused", "fused_rows"):
         return GroupKernel(n, kernels_layer.members(n))

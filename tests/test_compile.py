@@ -260,10 +260,13 @@ def test_block_graph_holds_megatron_collectives(sp, rank):
         assert kinds == ["all_reduce"] * 4, text
         # each partial sum is written straight into the shared slot its all-reduce posts
         # from (staged), and the reduction takes the partial sum's buffer
+        # and the attention's all-reduce takes the residual add (the MLP's is the output)
         staged = {n.staged_for.id: n for n in graph.nodes if n.staged_for is not None}
+        assert [len(n.inputs) for n in comms] == [2, 1, 1, 1], text
         for n in comms:
-            assert (f"%{n.id} = all_reduce %{n.inputs[0].id} mesh_dim=0 op='sum' "
-                    f"[P(sum)] -> [R] -> buf{n.buffer}") in text, text
+            add = f" %{n.inputs[1].id}" if len(n.inputs) > 1 else ""
+            assert (f"%{n.id} = all_reduce %{n.inputs[0].id}{add} mesh_dim=0 op='sum' "
+                    f"{'add=True ' if add else ''}[P(sum)] -> [R] -> buf{n.buffer}") in text, text
             assert graph.buffers[n.buffer][2] == graph.buffers[staged[n.id].buffer][2]
         assert [staged[n.id].name for n in comms] == ["matmul"] * 3 + ["fused"], text
         assert f"(into the shared slot of %{comms[0].id})" in text, text
@@ -644,3 +647,46 @@ def test_partial_sums_are_written_into_their_all_reduce_slot(arch, backend, tp, 
     assert mpi_loss == loss
     for g, w in zip(mpi_grads, grads):
         np.testing.assert_array_equal(g, w)
+
+
+# ----------------------------------------------------------------------------- reduce + add
+
+REDUCE_ADD_CASES = {  # name: (function of q (an all-reduced sum), h, w; whether it folds)
+    "sum plus h": (lambda q, h, w: (q + h) @ w, True),
+    "h plus sum": (lambda q, h, w: (h + q) @ w, True),
+    "a broadcast addend": (lambda q, h, w: (q + h[0]) @ w, True),
+    "an addend made after the reduction": (lambda q, h, w: (q + h @ w) @ w, True),
+    "the sum read twice": (lambda q, h, w: ((q + h) @ w, q @ w), False),
+    "the add in a fused group": (lambda q, h, w: ((q + h) * 3.0) @ w, False),
+    "the add returned": (lambda q, h, w: q + h, False),
+    "an addend of another dtype": (lambda q, h, w: (q + h.astype(np.float64)) @ w.astype(
+        np.float64), False),
+}
+
+
+@pytest.mark.ranks(2, timeout=120)
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_an_add_after_an_all_reduce_is_done_by_it(backend, rank):
+    """``all_reduce(p) + h`` with nothing else reading the sum becomes the all-reduce adding h
+    into its own result (fold_reduce_adds), where the add stood (an addend computed after the
+    reduction included): the eager bits on every case, and the cases that must keep their add
+    keep it."""
+    from dtensor.placements import Replicate, Shard
+    mesh = dtensor.init_device_mesh("cpu", (2,))
+    rng = np.random.default_rng(7)
+    x, w, h, w2 = (rng.standard_normal(s).astype(np.float32)
+                   for s in ((6, 8), (8, 5), (6, 5), (5, 5)))
+    xs, ws = (dtensor.distribute_tensor(a, mesh, [Shard(d)]) for a, d in ((x, 1), (w, 0)))
+    hr, w2r = (dtensor.distribute_tensor(a, mesh, [Replicate()]) for a in (h, w2))
+    for case, (f, folds) in REDUCE_ADD_CASES.items():
+        def step(xs, ws, hr, w2r):  # the all-reduce, then f (an addend traced after it)
+            return f((xs @ ws).redistribute(mesh, [Replicate()]), hr, w2r)
+        run = dtensor.compile(step, backend=backend)
+        got, want = run(xs, ws, hr, w2r), step(xs, ws, hr, w2r)
+        for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, want))):
+            np.testing.assert_array_equal(full(a), full(b), err_msg=case)
+        graph = run.last.graph
+        folded = [n for n in graph.nodes if n.kind == "comm" and n.params.get("add")]
+        assert bool(folded) == folds, (case, str(graph))
+        if folds:
+            assert len(folded[0].inputs) == 2 and "add" not in [n.name for n in graph.nodes]

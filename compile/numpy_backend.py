@@ -39,7 +39,7 @@ def runner(n: Node, kernels: dict):
     """What runs node ``n``, read from its fields (the graph holds no callables): the backend
     kernel made for it (``kernels``: node id -> kernel), the collective its step names, a
     compiler op's function, or its op's impl or local kernel on its blocks."""
-    from dtensor.compile.passes import collectives, fusion, simplify
+    from dtensor.compile.passes import fusion, simplify
     from dtensor.ops.registry import OPS
     from dtensor.redistribute import Step, run_step
     if n.id in kernels:

@@ -604,8 +604,9 @@ def _staged_step(arch, tp, dp, backend):
     x, y = (rng.integers(0, 96, (4, 16)) for _ in "xy")
     run = step if backend is None else dtensor.compile(step, backend=backend)
     for _ in range(2 if backend else 1):  # a compiled step's first call traces
-        outs = run(x, y)
-    return float(full(outs[0])), [full(g) for g in outs[1:]], run
+        with count_collectives() as log:
+            outs = run(x, y)
+    return float(full(outs[0])), [full(g) for g in outs[1:]], run, log
 
 
 STAGED_LAYOUTS = [
@@ -626,8 +627,11 @@ def test_partial_sums_are_written_into_their_all_reduce_slot(arch, backend, tp, 
     each staged producer comes before its own all-reduce, and the step equals the same graph
     run through MPI's all-reduce (no slots: every producer falls back to its buffer), bit for
     bit, and the one-process run to rounding."""
-    want_loss, want_grads, _ = _staged_step(arch, 1, 1, None)
-    loss, grads, run = _staged_step(arch, tp, dp, backend)
+    want_loss, want_grads, *_ = _staged_step(arch, 1, 1, None)
+    loss, grads, run, log = _staged_step(arch, tp, dp, backend)
+    eager_log = _staged_step(arch, tp, dp, None)[3]  # staging moves no byte
+    assert log.bytes() == eager_log.bytes() and log.count() <= eager_log.count(), (
+        log.summary(), eager_log.summary())
     graph = run.last.graph
     at = {n.id: i for i, n in enumerate(graph.nodes)}
     reduces = [n for n in graph.nodes if n.kind == "comm" and n.name == "all_reduce"]
@@ -641,7 +645,8 @@ def test_partial_sums_are_written_into_their_all_reduce_slot(arch, backend, tp, 
     group = reduces[0].specs[1].mesh.get_group(reduces[0].params["mesh_dim"])
     assert group._shm is not None
     monkeypatch.setattr(group, "_shm", None)  # (the meshes' groups are cached: the same one)
-    mpi_loss, mpi_grads, mpi_run = _staged_step(arch, tp, dp, backend)
+    mpi_loss, mpi_grads, mpi_run, mpi_log = _staged_step(arch, tp, dp, backend)
+    assert mpi_log.summary() == log.summary()
     assert [n.staged_for is not None for n in mpi_run.last.graph.nodes] == \
         [n.staged_for is not None for n in graph.nodes]  # the same graph, staged alike
     assert mpi_loss == loss
@@ -682,7 +687,12 @@ def test_an_add_after_an_all_reduce_is_done_by_it(backend, rank):
         def step(xs, ws, hr, w2r):  # the all-reduce, then f (an addend traced after it)
             return f((xs @ ws).redistribute(mesh, [Replicate()]), hr, w2r)
         run = dtensor.compile(step, backend=backend)
-        got, want = run(xs, ws, hr, w2r), step(xs, ws, hr, w2r)
+        run(xs, ws, hr, w2r)  # the trace
+        with count_collectives() as log:
+            got = run(xs, ws, hr, w2r)
+        with count_collectives() as eager_log:
+            want = step(xs, ws, hr, w2r)
+        assert log.summary() == eager_log.summary() == {"all_reduce": (1, 6 * 5 * 4)}, case
         for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, want))):
             np.testing.assert_array_equal(full(a), full(b), err_msg=case)
         graph = run.last.graph

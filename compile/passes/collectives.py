@@ -184,9 +184,8 @@ def fold_reduce_adds(graph: Graph) -> Graph:
     if new:  # each folded all-reduce runs where its add stood (the addend is ready there)
         moved = {c.id for c in new.values()}
         graph.nodes = [new.get(n.id, n) for n in graph.nodes if n.id not in moved]
-        for n in graph.nodes:
+        for n in graph.nodes:  # (no folded add is an output: those are left alone)
             n.inputs = [new.get(a.id, a) if isinstance(a, Node) else a for a in n.inputs]
-        graph.outputs = [new.get(o.id, o) if isinstance(o, Node) else o for o in graph.outputs]
     return graph
 
 

@@ -17,6 +17,7 @@ build (dtensor/ops/expr.py). What the description settles for every renderer:
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import NamedTuple
 
@@ -25,6 +26,19 @@ import numpy as np
 from dtensor.graph import Node
 from dtensor.ops import expr as X
 from dtensor.ops.registry import OPS
+
+
+_ADDRESS, _BYTES = ctypes.addressof, ctypes.c_char.from_buffer
+
+
+def address(a: np.ndarray) -> int:
+    """The address of ``a``'s first byte. Through the buffer protocol where ``a`` allows it (C
+    contiguous, writable, not empty): 0.2 us against ``a.ctypes.data``'s 1.8, and a standard
+    TP=2 step takes ~650 addresses (its C kernels' arguments, the AdamW group's tables)."""
+    try:
+        return _ADDRESS(_BYTES(a))
+    except (TypeError, ValueError):  # read-only, strided or empty
+        return a.ctypes.data
 
 
 class Layout(NamedTuple):

@@ -206,26 +206,27 @@ def update_target(arrays, sizes, in_place: bool) -> np.ndarray:
         while base.base is not None:
             base = base.base
         if isinstance(base, np.ndarray) and base.shape == (3, total) and base.dtype == dtype:
-            start, item, offset = base.ctypes.data, dtype.itemsize, 0
-            for j, size in enumerate(sizes):
-                p, m, v = arrays[4 * j], arrays[4 * j + 2], arrays[4 * j + 3]
-                if not all(a.flags.c_contiguous and a.size == size and a.dtype == dtype
-                           and a.ctypes.data == start + (row * total + offset) * item
-                           for row, a in enumerate((p, m, v))):
-                    break
-                offset += size
-            else:
+            pmv = [arrays[4 * j + r] for j in range(len(sizes)) for r in (0, 2, 3)]
+            starts = np.cumsum((0,) + tuple(sizes[:-1]))
+            want = (starts[:, None] + np.arange(3) * total) * dtype.itemsize
+            if (all(a.flags.c_contiguous and a.dtype == dtype for a in pmv)
+                    and [a.size for a in pmv] == [n for n in sizes for _ in range(3)]
+                    and np.array_equal([kernels_layer.address(a) for a in pmv],
+                                       kernels_layer.address(base) + want.ravel())):
                 return base
     return np.empty((3, total), dtype)
 
 
 def adamw_table(hp: dict, count: int, dtype) -> np.ndarray:
     """(count, 7) constants (dtensor.ops.nn.adamw_constants) of an adamw_group's parameters,
-    from hyperparameters shared (as given) or per parameter (named in ``each``: ``name_j``)."""
+    from hyperparameters shared (as given) or per parameter (named in ``each``: ``name_j``):
+    computed for all parameters at once, over arrays of the per-parameter ones."""
     from dtensor.ops.nn import adamw_constants
-    return np.array([adamw_constants(**{k: hp[k] if k in hp else hp[f"{k}_{j}"]
-                                        for k in ADAMW_HYPERPARAMETERS})
-                     for j in range(count)], np.float64).astype(dtype)
+    table = np.empty((count, 7), np.float64)
+    table[...] = np.stack(np.broadcast_arrays(*adamw_constants(**{
+        k: hp[k] if k in hp else np.array([hp[f"{k}_{j}"] for j in range(count)], np.float64)
+        for k in ADAMW_HYPERPARAMETERS})), axis=-1)
+    return table.astype(dtype)
 
 
 ADAMW_HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "bc1", "bc2")

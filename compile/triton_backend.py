@@ -338,7 +338,8 @@ class _AdamWGroup(kernels.Named):
     def __call__(self, *arrays, each=(), out=None, in_place=False, **hp):
         from dtensor.compile.numpy_backend import adamw_table, update_target
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the launch
-        tables = [np.array([a.ctypes.data for a in arrays[k::4]], np.int64) for k in range(4)]
+        tables = [np.array([kernels.address(a) for a in arrays[k::4]], np.int64)
+                  for k in range(4)]
         hp_tab = adamw_table(hp, len(self.sizes), np.float32)
         out = update_target(arrays, self.sizes, in_place) if out is None else out
         if len(self.chunk_tensor):

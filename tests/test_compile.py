@@ -173,6 +173,54 @@ def test_adamw_updates_parameters_in_place(backend, monkeypatch):
         np.testing.assert_array_equal(params[k], fresh[k], err_msg=k)
 
 
+def _views_of(base, sizes, order=None):
+    """p, g, m, v of each parameter, p/m/v as views of rows 0-2 of ``base`` at their columns."""
+    starts = np.cumsum([0] + list(sizes[:-1]))
+    arrays = []
+    for j in (order or range(len(sizes))):
+        cols = slice(starts[j], starts[j] + sizes[j])
+        arrays += [base[0, cols], np.ones(sizes[j], base.dtype), base[1, cols], base[2, cols]]
+    return arrays
+
+
+UPDATE_TARGETS = [  # (what the arrays are, whether the update may write over their base)
+    ("views at their own columns", lambda b, s: _views_of(b, s), True),
+    ("two parameters swapped", lambda b, s: _views_of(b, s, order=[1, 0, 2]), False),
+    ("a strided view", lambda b, s: [a[::2] if k == 8 else a
+                                     for k, a in enumerate(_views_of(b, s))], False),
+    ("a copy, not a view", lambda b, s: [a.copy() if k == 4 else a
+                                        for k, a in enumerate(_views_of(b, s))], False),
+    ("another dtype", lambda b, s: _views_of(b.astype(np.float64), s), False),
+]
+
+
+@pytest.mark.parametrize("what, make, reuse", UPDATE_TARGETS, ids=[c[0] for c in UPDATE_TARGETS])
+def test_adamw_writes_over_its_inputs_only_where_they_are_its_own_columns(what, make, reuse):
+    from dtensor.compile.numpy_backend import update_target
+    sizes = [6, 4, 10]
+    base = np.zeros((3, sum(sizes)), np.float32)
+    arrays = make(base, sizes)
+    got = update_target(arrays, sizes, in_place=True)
+    assert (got is base) == reuse and got.shape == (3, 20)
+    assert update_target(arrays, sizes, in_place=False) is not base
+
+
+def test_adamw_constants_of_a_group_are_each_parameters_own():
+    """The group's constants, computed over arrays of the per-parameter hyperparameters, are
+    bit for bit those of each parameter's own call."""
+    from dtensor.compile.numpy_backend import adamw_table
+    from dtensor.ops.nn import adamw_constants
+    rng = np.random.default_rng(0)
+    shared = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+    each = [{"lr": float(rng.uniform(1e-5, 1e-2)), "bc1": float(rng.uniform(0.1, 1)),
+             "bc2": float(rng.uniform(1e-3, 1))} for _ in range(5)]
+    hp = {**shared, **{f"{k}_{j}": v for j, own in enumerate(each) for k, v in own.items()}}
+    want = np.array([adamw_constants(**shared, **own) for own in each])
+    for dtype in (np.float64, np.float32):
+        got = adamw_table(hp, 5, dtype)
+        np.testing.assert_array_equal(got, want.astype(dtype))
+
+
 def test_adamw_keeps_a_copy_when_a_parameter_is_read_after_its_update():
     """A step that reads a parameter's old value after the update: no update in place, and the
     values (the parameters and what was read) equal eager's."""

@@ -609,8 +609,9 @@ softmax_cross_entropy_backward = defop(
 def adamw_constants(lr, beta1, beta2, eps, weight_decay, bc1, bc2) -> tuple:
     """The update's seven constants, in double: lr/bc1 m / (sqrt(v / bc2) + eps) is
     (lr sqrt(bc2) / bc1) m / (sqrt(v) + eps sqrt(bc2)), the bias corrections moved onto the
-    scalars (one pass fewer). Every backend rounds them to the parameter's type."""
-    rs = math.sqrt(bc2)
+    scalars (one pass fewer). Every backend rounds them to the parameter's type. Arrays of
+    float64 give every parameter's at once, with the same float operations."""
+    rs = math.sqrt(bc2) if np.ndim(bc2) == 0 else np.sqrt(bc2)
     return (beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps * rs, lr * rs / bc1,
             1.0 - lr * weight_decay)
 

@@ -219,13 +219,21 @@ def update_target(arrays, sizes, in_place: bool) -> np.ndarray:
 
 def adamw_table(hp: dict, count: int, dtype) -> np.ndarray:
     """(count, 7) constants (dtensor.ops.nn.adamw_constants) of an adamw_group's parameters,
-    from hyperparameters shared (as given) or per parameter (named in ``each``: ``name_j``):
-    computed for all parameters at once, over arrays of the per-parameter ones."""
+    from hyperparameters shared (as given) or per parameter (named in ``each``: ``name_j``).
+    Python numbers: computed for all parameters at once, over float64 arrays of the
+    per-parameter ones (the same operations); numpy scalars, whose arithmetic is their own
+    type's: each parameter's call, as eager makes it."""
     from dtensor.ops.nn import adamw_constants
-    table = np.empty((count, 7), np.float64)
-    table[...] = np.stack(np.broadcast_arrays(*adamw_constants(**{
-        k: hp[k] if k in hp else np.array([hp[f"{k}_{j}"] for j in range(count)], np.float64)
-        for k in ADAMW_HYPERPARAMETERS})), axis=-1)
+    shared = {k: hp[k] for k in ADAMW_HYPERPARAMETERS if k in hp}
+    each = {k: [hp[f"{k}_{j}"] for j in range(count)] for k in ADAMW_HYPERPARAMETERS
+            if k not in hp}
+    if all(type(v) in (float, int) for v in [*shared.values(), *sum(each.values(), [])]):
+        table = np.empty((count, 7), np.float64)
+        table[...] = np.stack(np.broadcast_arrays(*adamw_constants(
+            **shared, **{k: np.array(v, np.float64) for k, v in each.items()})), axis=-1)
+    else:
+        table = np.array([adamw_constants(**shared, **{k: v[j] for k, v in each.items()})
+                          for j in range(count)], np.float64)
     return table.astype(dtype)
 
 

@@ -205,20 +205,21 @@ def test_adamw_writes_over_its_inputs_only_where_they_are_its_own_columns(what, 
     assert update_target(arrays, sizes, in_place=False) is not base
 
 
-def test_adamw_constants_of_a_group_are_each_parameters_own():
-    """The group's constants, computed over arrays of the per-parameter hyperparameters, are
-    bit for bit those of each parameter's own call."""
+@pytest.mark.parametrize("real", [float, np.float32, np.float64])
+def test_adamw_constants_of_a_group_are_each_parameters_own(real):
+    """The group's constants are bit for bit those of each parameter's own call (eager's),
+    whether computed at once over arrays (Python numbers) or one by one (numpy scalars, whose
+    arithmetic is their own type's)."""
     from dtensor.compile.numpy_backend import adamw_table
     from dtensor.ops.nn import adamw_constants
     rng = np.random.default_rng(0)
-    shared = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
-    each = [{"lr": float(rng.uniform(1e-5, 1e-2)), "bc1": float(rng.uniform(0.1, 1)),
+    shared = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": real(0.1)}
+    each = [{"lr": real(rng.uniform(1e-5, 1e-2)), "bc1": float(rng.uniform(0.1, 1)),
              "bc2": float(rng.uniform(1e-3, 1))} for _ in range(5)]
     hp = {**shared, **{f"{k}_{j}": v for j, own in enumerate(each) for k, v in own.items()}}
-    want = np.array([adamw_constants(**shared, **own) for own in each])
+    want = np.array([adamw_constants(**shared, **own) for own in each], np.float64)
     for dtype in (np.float64, np.float32):
-        got = adamw_table(hp, 5, dtype)
-        np.testing.assert_array_equal(got, want.astype(dtype))
+        np.testing.assert_array_equal(adamw_table(hp, 5, dtype), want.astype(dtype))
 
 
 def test_adamw_keeps_a_copy_when_a_parameter_is_read_after_its_update():

@@ -464,13 +464,10 @@ ADAMW_BODY
 /* The AdamW update of parameters q0..q1 (addresses in tab: p, g, m, v of each in turn) into
    the rows of out (3, total); hp: the 7 constants of each parameter's update (adamw_constants),
    rounded to T first, as numpy rounds a Python float against a T array.
-   Into a fresh out, the three results go out with non-temporal stores where the rows line up
-   on 32 bytes: they are not read again this step, and a plain store first reads each line of
-   out from memory (measured, the standard workload's 5.28M float parameters on one thread:
-   15-18 -> 12-13 ms). Over p, m and v themselves (the memory plan's update in place), whose
-   lines the update has just read, plain stores are the cheaper: the next step finds the new
-   parameters in cache (the standard TP=2 step 0.6% faster, per-pair median of 5 in-process
-   comparisons). */
+   The three results go out with non-temporal stores where the rows line up on 32 bytes: they
+   are not read again this step, and a plain store first reads each line of out from memory
+   (measured, the standard workload's 5.28M float parameters on one thread: 15-18 -> 12-13
+   ms). */
 void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offsets,
                    const double *hp, T *out, int64_t total, int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; q++) {
@@ -484,8 +481,7 @@ void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offs
         i = (int64_t)(((32 - ((uintptr_t)po & 31)) & 31) / sizeof(T));  /* to an aligned po */
         i = i < n ? i : n;
         dt_adamw_rows_S(p, g, m, v, po, mo, vo, i, k);
-        if (po != p
-            && (((uintptr_t)(po + i) | (uintptr_t)(mo + i) | (uintptr_t)(vo + i)) & 31) == 0) {
+        if ((((uintptr_t)(po + i) | (uintptr_t)(mo + i) | (uintptr_t)(vo + i)) & 31) == 0) {
             enum { L = 32 / sizeof(T) };
             for (; i + 64 <= n; i += 64) {  /* 64 results to the stack, then streamed out */
                 T r[3][64];

@@ -140,7 +140,9 @@ def _donate_to_collectives(graph: Graph) -> None:
     all-reduce's result takes the buffer (``buffer`` stays the producer's fallback where the
     group has no slot). The copy into a slot the peers read last time costs ~100 us a MB,
     against ~25 into private memory, and a tensor-parallel step makes one for each
-    row-parallel GEMM."""
+    row-parallel GEMM. The whole standard TP=2 step, staging toggled at run time in one
+    process, did not change measurably (per-pair medians 1.0007, 1.0067, 1.0006): the GEMM
+    then writes the lines the peer read last, and pays for them what the copy did."""
     users = graph.users()
     index = {n.id: i for i, n in enumerate(graph.nodes)}
     last = -1  # the last collective so far

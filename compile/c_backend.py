@@ -1052,7 +1052,7 @@ class _AdamWGroup(kernels.Named):
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the call
         tab = np.array([_ptr(a) for a in arrays], np.int64)
         hps = adamw_table(hp, len(self.sizes), np.float64)
-        out = update_target(arrays, self.sizes, in_place) if out is None else out
+        out = update_target(arrays, self.sizes, in_place, tab) if out is None else out
         head = (_ptr(tab), _ptr(self.sizes), _ptr(self.offsets), _ptr(hps), _ptr(out),
                 self.total)
         _parallel(self.fn, [head + r for r in self.ranges])

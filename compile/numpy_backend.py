@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import os
 import sys
 import types
@@ -196,10 +197,11 @@ def adamw_group(*arrays, sizes, each=(), out=None, in_place=False, **hp):
 adamw_group.accepts_out = True
 
 
-def update_target(arrays, sizes, in_place: bool) -> np.ndarray:
+def update_target(arrays, sizes, in_place: bool, addresses=None) -> np.ndarray:
     """Where an adamw_group writes: the (3, total) array its parameters and moments are views
     of at their own columns (the last step's result, when the memory plan allows it in place:
-    each element is read before it is written, at the same place), else a new one."""
+    each element is read before it is written, at the same place), else a new one.
+    ``addresses``: the arrays' first bytes (kernels.address), when the caller has them."""
     total, dtype = sum(sizes), arrays[0].dtype
     if in_place and arrays:
         base = arrays[0]
@@ -211,8 +213,10 @@ def update_target(arrays, sizes, in_place: bool) -> np.ndarray:
             want = (starts[:, None] + np.arange(3) * total) * dtype.itemsize
             if (all(a.flags.c_contiguous and a.dtype == dtype for a in pmv)
                     and [a.size for a in pmv] == [n for n in sizes for _ in range(3)]
-                    and np.array_equal([kernels_layer.address(a) for a in pmv],
-                                       kernels_layer.address(base) + want.ravel())):
+                    and np.array_equal(
+                        [kernels_layer.address(a) for a in pmv] if addresses is None
+                        else np.reshape(addresses, (-1, 4))[:, [0, 2, 3]].ravel(),
+                        kernels_layer.address(base) + want.ravel())):
                 return base
     return np.empty((3, total), dtype)
 
@@ -227,7 +231,7 @@ def adamw_table(hp: dict, count: int, dtype) -> np.ndarray:
     shared = {k: hp[k] for k in ADAMW_HYPERPARAMETERS if k in hp}
     each = {k: [hp[f"{k}_{j}"] for j in range(count)] for k in ADAMW_HYPERPARAMETERS
             if k not in hp}
-    if all(type(v) in (float, int) for v in [*shared.values(), *sum(each.values(), [])]):
+    if all(type(v) in (float, int) for v in [*shared.values(), *itertools.chain(*each.values())]):
         table = np.empty((count, 7), np.float64)
         table[...] = np.stack(np.broadcast_arrays(*adamw_constants(
             **shared, **{k: np.array(v, np.float64) for k, v in each.items()})), axis=-1)

@@ -341,7 +341,8 @@ class _AdamWGroup(kernels.Named):
         tables = [np.array([kernels.address(a) for a in arrays[k::4]], np.int64)
                   for k in range(4)]
         hp_tab = adamw_table(hp, len(self.sizes), np.float32)
-        out = update_target(arrays, self.sizes, in_place) if out is None else out
+        out = (update_target(arrays, self.sizes, in_place, np.stack(tables, axis=1))
+               if out is None else out)
         if len(self.chunk_tensor):
             self.mod.kernel[(len(self.chunk_tensor),)](
                 *[as_triton_arg(t) for t in tables], as_triton_arg(self.size_tab),

@@ -7,7 +7,7 @@ eager updates them. The pipeline (DTENSOR_DEBUG=2 prints the graph after each st
 generated code, on rank 0):
 
     trace (dtensor/tracer.py) -> dce -> cse -> fold_scatter_adds -> fold_product_sums
-    -> bucket_all_reduces -> fuse_pointwise -> fuse_adamw -> fold_reduce_adds
+    -> bucket_all_reduces -> fuse_pointwise -> fuse_adamw
     -> [C or Triton kernels for fused groups and row-wise ops] -> plan_memory -> numpy codegen
 
 Example:
@@ -40,7 +40,7 @@ PASSES = (("shard_broadcasts", passes.shard_broadcasts), ("dce", passes.dce), ("
           ("fold_product_sums", passes.fold_product_sums),
           ("bucket_all_reduces", passes.bucket_all_reduces),
           ("fuse_pointwise", passes.fuse_pointwise), ("fuse_adamw", passes.fuse_adamw),
-          ("fold_reduce_adds", passes.fold_reduce_adds), ("plan_memory", passes.plan_memory))
+          ("plan_memory", passes.plan_memory))
 RECOMPILE_LIMIT = 8  # warn on every compile past this many of one function (as torch._dynamo)
 BACKENDS = ("numpy", "c", "triton")
 

@@ -22,7 +22,6 @@ import numpy as np
 from dtensor import observe
 from dtensor.compile import cache
 from dtensor.compile import kernels as kernels_layer
-from dtensor.compile.passes import collectives
 from dtensor.graph import KERNEL_KINDS, Graph, Node, Slot
 from dtensor.ops import blockwise
 from dtensor.ops.structural import index_key
@@ -40,7 +39,7 @@ def runner(n: Node, kernels: dict):
     """What runs node ``n``, read from its fields (the graph holds no callables): the backend
     kernel made for it (``kernels``: node id -> kernel), the collective its step names, a
     compiler op's function, or its op's impl or local kernel on its blocks."""
-    from dtensor.compile.passes import fusion, simplify
+    from dtensor.compile.passes import collectives, fusion, simplify
     from dtensor.ops.registry import OPS
     from dtensor.redistribute import Step, run_step
     if n.id in kernels:
@@ -49,12 +48,9 @@ def runner(n: Node, kernels: dict):
         mesh, dim = n.specs[1].mesh, n.params["mesh_dim"]
         if n.name == "all_reduce_bucket":
             return functools.partial(collectives.bucket_start, group=mesh.get_group(dim))
-        args = tuple((k, v) for k, v in n.params.items()
-                     if k not in ("mesh_dim", "donate", "add"))
+        args = tuple((k, v) for k, v in n.params.items() if k not in ("mesh_dim", "donate"))
         run = functools.partial(run_step, step=Step(n.name, dim, args, n.specs[1].placements),
                                 mesh=mesh, donate=n.params.get("donate", False))
-        if n.params.get("add"):
-            run = functools.partial(collectives.all_reduce_add, run=run)
         return _caused(run, n.cause) if n.cause else run
     if n.name in ("fused", "fused_rows"):
         return GroupKernel(n, kernels_layer.members(n))
@@ -124,12 +120,7 @@ def generate(graph: Graph, name: str, kernels: dict) -> tuple[str, dict]:
             args.append(f"**{const(fixed)}")
         args += [f"{k}=S[{v.index}]" + (f"[{v.name!r}]" if v.name != "key" else "")
                  for k, v in slots.items()]
-        if n.staged_for is not None:  # the all-reduce's shared slot, else its buffer
-            c = n.staged_for
-            stage = functools.partial(collectives.stage,
-                                      group=c.specs[1].mesh.get_group(c.params["mesh_dim"]))
-            args.append(f"out={const(stage)}(B[{n.buffer}])")
-        elif n.buffer is not None:
+        if n.buffer is not None:
             args.append(f"out=B[{n.buffer}]")
         view = _VIEWS.get(n.name) if n.kind == "op" and n.variant == "impl" else None
         if view is not None and n.id not in kernels and not slots and n.buffer is None:

@@ -13,11 +13,6 @@ UCX's shared memory copies through its own cells, in a reduce-scatter and an all
 Every call of the group posts its size and dtype, also one too large for a slot (those then go
 to MPI, together): ranks that passed different sizes or dtypes all raise, naming each rank's.
 
-A producer may write the operand straight into the slot its next call posts from
-(``staged``, Comm.all_reduce_operand: a compiled step's GEMM whose partial sum goes to an
-all-reduce), which saves the copy; the copy into a slot the peers read last time cost ~100 us
-a MB, four times one into private memory.
-
 A slot is reused SLOTS calls later, once every rank has read it. A rank that comes back to a
 slot whose call it has not reduced yet (a handle not waited for, or waited later) reduces it
 then, into that call's result. So with the group's collectives issued in the same order on
@@ -125,57 +120,27 @@ class Segments:
                 name.append(head[2 * _LINE * row:2 * _LINE * row + SLOTS])
             self.slots.append([mem[_HEADER + s * slot_bytes:_HEADER + (s + 1) * slot_bytes]
                                for s in range(SLOTS)])
-            if p == self.rank:
-                self.base = mem[_HEADER:].ctypes.data  # where this rank's slots start
         for row in (self.posted, self.read, self.meta):
             row[self.rank][:] = 0
         self.patience = yield_seconds(self.size)
         self.seq = 0
-        self.stage = 0  # the call ``staged`` gave its slot to, until it is posted
         self.unreduced: dict = {}  # k -> (ufunc, out) of this rank's calls not reduced yet
         self.done: dict = {}  # k -> out of those reduced early, until their handle asks
         mpi_comm.Barrier()  # every header zeroed before anyone posts
 
-    def _claim(self, k: int) -> None:
-        """Wait until this rank's slot for call ``k`` is free: its last call reduced here and
-        read by every peer."""
-        s = k % SLOTS
-        if k - SLOTS in self.unreduced:
-            self.done[k - SLOTS] = self.reduce(k - SLOTS)
-        if k > SLOTS:
-            spin(lambda: all(self.read[p][s] >= k - SLOTS for p in range(self.size)),
-                 self.patience)
-
-    def staged(self, nbytes: int) -> np.ndarray | None:
-        """This rank's slot for its next call (its first ``nbytes``), once free, or None when
-        the operand would not fit: a producer that writes its operand there (the GEMM before a
-        tensor-parallel all-reduce, compile/passes/memory.py) saves post's copy of it. The next
-        call must post exactly that memory."""
-        if nbytes > self.slot_bytes:
-            return None
-        self._claim(self.seq + 1)
-        self.stage = self.seq + 1
-        return self.slots[self.rank][self.stage % SLOTS][:nbytes]
-
     def post(self, x: np.ndarray, ufunc=None, out=None) -> int:
         """Post this rank's next call: ``x`` copied into a slot when ``ufunc`` (the reduction
-        into ``out``) is given (unless it is the slot ``staged`` gave), else its size and dtype
-        only. Returns the call's number."""
-        k, s = self.seq + 1, (self.seq + 1) % SLOTS
-        where = x.__array_interface__["data"][0]
-        in_place = (self.stage == k and ufunc is not None and x.flags.c_contiguous
-                    and where == self.base + s * self.slot_bytes)
-        self.stage = 0
-        if not in_place and self.base <= where < self.base + SLOTS * self.slot_bytes:
-            # a staged operand posted late: another call has been copied over it since
-            raise CollectiveError(f"all_reduce #{k}: the operand lies in this rank's shared "
-                                  f"slots, but not as the slot staged for this call; post a "
-                                  f"staged operand before any other all_reduce of the group.")
-        self.seq = k
-        self._claim(k)
+        into ``out``) is given, else its size and dtype only. Returns the call's number."""
+        self.seq += 1
+        k, s = self.seq, self.seq % SLOTS
+        if k - SLOTS in self.unreduced:  # the slot's last call, not reduced here yet
+            self.done[k - SLOTS] = self.reduce(k - SLOTS)
+        if k > SLOTS:  # ... and read by every peer
+            spin(lambda: all(self.read[p][s] >= k - SLOTS for p in range(self.size)),
+                 self.patience)
         if ufunc is not None:
-            if not in_place:
-                np.copyto(self.slots[self.rank][s][:x.nbytes].view(x.dtype).reshape(x.shape), x)
+            mine = self.slots[self.rank][s][:x.nbytes].view(x.dtype).reshape(x.shape)
+            np.copyto(mine, x)
             self.unreduced[k] = (ufunc, out)
         self.meta[self.rank][s] = x.nbytes << 8 | x.dtype.num
         self.win.Sync()  # the operand and its size before the call's number

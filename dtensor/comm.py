@@ -475,9 +475,6 @@ class Comm:
         x = _contig(x)
         dtype = x.dtype
         mpi_op = self._op(op, dtype)
-        if out is not None and out is not x and out.__array_interface__["data"][0] == \
-                x.__array_interface__["data"][0] and out.nbytes == x.nbytes and x.nbytes:
-            out = x  # the same memory (another view of it): in place
         if self._check:
             self._agree("all_reduce", (str(dtype), x.shape, op))
         e = self._record("all_reduce", x.shape, x.nbytes, dtype)
@@ -500,17 +497,6 @@ class Comm:
             return Work(self._c.Iallreduce(send, out, op=mpi_op), lambda: self._avg(out, op), e)
         self._blocking(e, self._c.Allreduce, send, out, op=mpi_op)
         return self._avg(out, op)
-
-    def all_reduce_operand(self, shape, dtype) -> np.ndarray | None:
-        """Memory the next all_reduce of this group takes its operand from without copying it,
-        or None: a slot of the shared window (dtensor/_shm.py) once the group has one and the
-        operand fits. Whoever computes the operand writes it there, and the very next
-        all_reduce of the group must pass that array (the compiled step does this for a GEMM
-        whose partial sum goes straight to an all-reduce: compile/passes/memory.py)."""
-        seg = self._shm
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        slot = seg.staged(nbytes) if seg is not None and nbytes else None
-        return None if slot is None else slot.view(dtype).reshape(shape)
 
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None,
                    async_op: bool = False, out: np.ndarray | None = None):

@@ -55,9 +55,6 @@ class Node:
     # what it was traced under (dtensor/observe.py): a collective's module, phase, op, rule and
     # placements, another node's module and phase; what the debugging tools report at run time
     cause: dict | None = None
-    # the all_reduce whose operand this node writes straight into the group's shared slot,
-    # ``buffer`` its fallback (compile/passes/memory.py)
-    staged_for: Node | None = None
 
     def __repr__(self) -> str:
         return f"%{self.id}"
@@ -124,8 +121,6 @@ class Graph:
                 text += f" {placements_text(n.specs[0])} -> {placements_text([n.specs[1]])}"
             if n.buffer is not None:
                 text += f" -> buf{n.buffer}"
-            if n.staged_for is not None:
-                text += f" (into the shared slot of {n.staged_for!r})"
             lines.append(f"{n!r:>5} = {text:60s} {n.shape} {n.dtype}")
         lines.append("return " + ", ".join(_arg(o) for o in self.outputs))
         return "\n".join(lines)

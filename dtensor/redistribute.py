@@ -233,10 +233,9 @@ def _plan(mesh, shape, src, placements) -> tuple[Step, ...]:
     return tuple(steps)
 
 
-def run_step(local: np.ndarray, step: Step, mesh, donate: bool = False,
-             out: np.ndarray | None = None) -> np.ndarray:
+def run_step(local: np.ndarray, step: Step, mesh, donate: bool = False) -> np.ndarray:
     """Carry out one step on this rank's array. ``donate``: the caller never reads ``local``
-    again, so an all_reduce may overwrite it; ``out``: where an all_reduce writes instead."""
+    again, so an all_reduce may overwrite it."""
     kind, p = step.kind, dict(step.params)
     if kind == "shard":
         if "parts" in p:
@@ -266,9 +265,8 @@ def run_step(local: np.ndarray, step: Step, mesh, donate: bool = False,
                                 concat_sizes=list(p["concat_sizes"]))
     if kind == "reduce_scatter":
         return group.reduce_scatter(local, op=p["op"], axis=p["axis"], sizes=list(p["sizes"]))
-    if out is None and donate and local.flags.c_contiguous and local.flags.writeable:
-        out = local
-    return group.all_reduce(local, op=p["op"], out=out)
+    mine = donate and local.flags.c_contiguous and local.flags.writeable
+    return group.all_reduce(local, op=p["op"], out=local if mine else None)
 
 
 def redistribute_local(local: np.ndarray, spec, placements: tuple[Placement, ...],

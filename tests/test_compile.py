@@ -311,18 +311,9 @@ def test_block_graph_holds_megatron_collectives(sp, rank):
                 f"sizes=[8, 8] [S(1)] -> [R] ") in text, text
     else:
         assert kinds == ["all_reduce"] * 4, text
-        # each partial sum is written straight into the shared slot its all-reduce posts
-        # from (staged), and the reduction takes the partial sum's buffer
-        # and the attention's all-reduce takes the residual add (the MLP's is the output)
-        staged = {n.staged_for.id: n for n in graph.nodes if n.staged_for is not None}
-        assert [len(n.inputs) for n in comms] == [2, 1, 1, 1], text
-        for n in comms:
-            add = f" %{n.inputs[1].id}" if len(n.inputs) > 1 else ""
-            assert (f"%{n.id} = all_reduce %{n.inputs[0].id}{add} mesh_dim=0 op='sum' "
-                    f"{'add=True ' if add else ''}[P(sum)] -> [R] -> buf{n.buffer}") in text, text
-            assert graph.buffers[n.buffer][2] == graph.buffers[staged[n.id].buffer][2]
-        assert [staged[n.id].name for n in comms] == ["matmul"] * 3 + ["fused"], text
-        assert f"(into the shared slot of %{comms[0].id})" in text, text
+        for n in comms:  # (each reduces its matmul's partial sums in place: donated)
+            assert (f"%{n.id} = all_reduce %{n.inputs[0].id} mesh_dim=0 op='sum' donate=True "
+                    f"[P(sum)] -> [R] ") in text, text
     # The forward's all-reduces follow the row-parallel matmuls; values match eager.
     dtensor.manual_seed(0)
     np.testing.assert_allclose(full(y), full(block(x)), rtol=1e-6, atol=1e-6)
@@ -408,8 +399,8 @@ def test_redundant_collectives_are_issued_once(rank):
 def test_a_sharded_broadcast_moves_nothing_and_dying_partials_reduce_in_place(rank):
     """The gradient of a sum over a sharded dim is a column broadcast to the whole dim, split
     again to meet a sharded value (Replicate -> Shard): the compiled graph reads the column and
-    has no redistribute for it. A partial sum whose buffer dies at its all-reduce is written
-    into its shared slot or reduced in place. Values and gradients as eager."""
+    has no redistribute for it. A partial sum whose buffer dies at its all-reduce is reduced
+    in place (donated). Values and gradients as eager."""
     from dtensor.placements import Shard
 
     mesh = dtensor.init_device_mesh("cpu", (2,))
@@ -455,11 +446,8 @@ def test_a_sharded_broadcast_moves_nothing_and_dying_partials_reduce_in_place(ra
     graph = run.last.graph
     comms = [n for n in graph.nodes if n.kind == "comm"]
     assert not any(n.inputs[0].name == "broadcast_to" for n in comms), str(graph)
-    # the matmul's partial sum dies at its all-reduce: written into the all-reduce's shared
-    # slot (staged), or else reduced in place (donated)
-    staged = [n.name for n in graph.nodes if n.staged_for is not None]
     donated = [n.inputs[0].name for n in comms if n.params.get("donate")]
-    assert staged + donated == ["matmul"], str(graph)
+    assert donated == ["matmul"], str(graph)
 
 
 def test_two_split_broadcasts_meeting_keep_the_shape():
@@ -629,127 +617,3 @@ def test_a_sum_of_a_product_over_the_leading_dims_is_one_pass(case, backend):
         np.testing.assert_allclose(x.numpy(), w.numpy(), rtol=0, atol=bound)
     names = [n.name for n in run.last.graph.nodes]
     assert ("sum_of_products" in names) == folds, names
-
-
-# ----------------------------------------------------------------------------- staged operands
-
-def _staged_step(arch, tp, dp, backend):
-    """Loss, whole gradients and the compiled step of a GPT or a Llama on fixed tokens at a
-    (dp, tp) layout (tp 1 and dp 1: one process, eager)."""
-    from dtensor.nn import Llama, LlamaConfig
-    from dtensor.parallel import parallelize
-
-    dtensor.manual_seed(0)
-    model = (GPT(GPTConfig(**SMALL)) if arch == "gpt" else Llama(LlamaConfig(
-        vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
-        max_seq_len=16)))
-    if tp * dp > 1:
-        parallelize(model, dtensor.init_device_mesh("cpu", (dp, tp),
-                                                    mesh_dim_names=("dp", "tp")))
-    params = dict(model.named_parameters())
-
-    def step(x, y):
-        out = model(x, y)
-        loss = out[1] if isinstance(out, tuple) else out
-        return (loss,) + tuple(dtensor.autograd.grad(loss, list(params.values())))
-
-    rng = np.random.default_rng(5)
-    x, y = (rng.integers(0, 96, (4, 16)) for _ in "xy")
-    run = step if backend is None else dtensor.compile(step, backend=backend)
-    for _ in range(2 if backend else 1):  # a compiled step's first call traces
-        with count_collectives() as log:
-            outs = run(x, y)
-    return float(full(outs[0])), [full(g) for g in outs[1:]], run, log
-
-
-STAGED_LAYOUTS = [
-    pytest.param(2, 1, id="tp2", marks=pytest.mark.ranks(2, timeout=300)),
-    pytest.param(2, 2, id="dp2xtp2", marks=pytest.mark.ranks(4, timeout=300)),
-]
-
-
-@pytest.mark.parametrize("tp,dp", STAGED_LAYOUTS)
-@pytest.mark.parametrize("backend", ["numpy", "c"])
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_partial_sums_are_written_into_their_all_reduce_slot(arch, backend, tp, dp, rank,
-                                                             monkeypatch):
-    """A value computed only to be all-reduced (a row-parallel GEMM's partial sum, the
-    backward's sum of input gradients) is written straight into the shared slot its
-    all-reduce posts from, saving the copy: no all-reduce of either model is left to reduce a
-    dying buffer in place (donated) instead, each row-parallel GEMM of the forward is staged,
-    each staged producer comes before its own all-reduce, and the step equals the same graph
-    run through MPI's all-reduce (no slots: every producer falls back to its buffer), bit for
-    bit, and the one-process run to rounding."""
-    want_loss, want_grads, *_ = _staged_step(arch, 1, 1, None)
-    loss, grads, run, log = _staged_step(arch, tp, dp, backend)
-    eager_log = _staged_step(arch, tp, dp, None)[3]  # staging moves no byte
-    assert log.bytes() == eager_log.bytes() and log.count() <= eager_log.count(), (
-        log.summary(), eager_log.summary())
-    graph = run.last.graph
-    at = {n.id: i for i, n in enumerate(graph.nodes)}
-    reduces = [n for n in graph.nodes if n.kind == "comm" and n.name == "all_reduce"]
-    staged = [n for n in graph.nodes if n.staged_for is not None]
-    assert not any(n.params.get("donate") for n in reduces), str(graph)
-    assert sum(n.name == "matmul" for n in staged) >= 2 * 2, str(graph)  # 2 a layer
-    assert all(n.staged_for in reduces and at[n.id] < at[n.staged_for.id] for n in staged)
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    for g, w in zip(grads, want_grads):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
-    group = reduces[0].specs[1].mesh.get_group(reduces[0].params["mesh_dim"])
-    assert group._shm is not None
-    monkeypatch.setattr(group, "_shm", None)  # (the meshes' groups are cached: the same one)
-    mpi_loss, mpi_grads, mpi_run, mpi_log = _staged_step(arch, tp, dp, backend)
-    assert mpi_log.summary() == log.summary()
-    assert [n.staged_for is not None for n in mpi_run.last.graph.nodes] == \
-        [n.staged_for is not None for n in graph.nodes]  # the same graph, staged alike
-    assert mpi_loss == loss
-    for g, w in zip(mpi_grads, grads):
-        np.testing.assert_array_equal(g, w)
-
-
-# ----------------------------------------------------------------------------- reduce + add
-
-REDUCE_ADD_CASES = {  # name: (function of q (an all-reduced sum), h, w; whether it folds)
-    "sum plus h": (lambda q, h, w: (q + h) @ w, True),
-    "h plus sum": (lambda q, h, w: (h + q) @ w, True),
-    "a broadcast addend": (lambda q, h, w: (q + h[0]) @ w, True),
-    "an addend made after the reduction": (lambda q, h, w: (q + h @ w) @ w, True),
-    "the sum read twice": (lambda q, h, w: ((q + h) @ w, q @ w), False),
-    "the add in a fused group": (lambda q, h, w: ((q + h) * 3.0) @ w, False),
-    "the add returned": (lambda q, h, w: q + h, False),
-    "an addend of another dtype": (lambda q, h, w: (q + h.astype(np.float64)) @ w.astype(
-        np.float64), False),
-}
-
-
-@pytest.mark.ranks(2, timeout=120)
-@pytest.mark.parametrize("backend", ["numpy", "c"])
-def test_an_add_after_an_all_reduce_is_done_by_it(backend, rank):
-    """``all_reduce(p) + h`` with nothing else reading the sum becomes the all-reduce adding h
-    into its own result (fold_reduce_adds), where the add stood (an addend computed after the
-    reduction included): the eager bits on every case, and the cases that must keep their add
-    keep it."""
-    from dtensor.placements import Replicate, Shard
-    mesh = dtensor.init_device_mesh("cpu", (2,))
-    rng = np.random.default_rng(7)
-    x, w, h, w2 = (rng.standard_normal(s).astype(np.float32)
-                   for s in ((6, 8), (8, 5), (6, 5), (5, 5)))
-    xs, ws = (dtensor.distribute_tensor(a, mesh, [Shard(d)]) for a, d in ((x, 1), (w, 0)))
-    hr, w2r = (dtensor.distribute_tensor(a, mesh, [Replicate()]) for a in (h, w2))
-    for case, (f, folds) in REDUCE_ADD_CASES.items():
-        def step(xs, ws, hr, w2r):  # the all-reduce, then f (an addend traced after it)
-            return f((xs @ ws).redistribute(mesh, [Replicate()]), hr, w2r)
-        run = dtensor.compile(step, backend=backend)
-        run(xs, ws, hr, w2r)  # the trace
-        with count_collectives() as log:
-            got = run(xs, ws, hr, w2r)
-        with count_collectives() as eager_log:
-            want = step(xs, ws, hr, w2r)
-        assert log.summary() == eager_log.summary() == {"all_reduce": (1, 6 * 5 * 4)}, case
-        for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in (got, want))):
-            np.testing.assert_array_equal(full(a), full(b), err_msg=case)
-        graph = run.last.graph
-        folded = [n for n in graph.nodes if n.kind == "comm" and n.params.get("add")]
-        assert bool(folded) == folds, (case, str(graph))
-        if folds:
-            assert len(folded[0].inputs) == 2 and "add" not in [n.name for n in graph.nodes]

@@ -1,6 +1,5 @@
 """Collective passes: drop redistributes that move nothing (a broadcast split into shards),
-merge independent small gradient all-reduces into buckets, fold an all-reduce's one add into
-it."""
+merge independent small gradient all-reduces into buckets."""
 from __future__ import annotations
 
 import numpy as np
@@ -148,50 +147,3 @@ def bucket_all_reduces(graph: Graph) -> Graph:
                 nodes.append(n)
         graph.nodes = nodes
     return graph
-
-
-def stage(buffer: np.ndarray, group) -> np.ndarray:
-    """Where a staged producer writes (passes/memory.py): its all-reduce's shared slot, else
-    its own planned ``buffer``."""
-    slot = group.all_reduce_operand(buffer.shape, buffer.dtype)
-    return buffer if slot is None else slot
-
-
-def fold_reduce_adds(graph: Graph) -> Graph:
-    """An add whose one operand is a sum all-reduce read by nothing else (a residual stream
-    plus a row-parallel layer's output) is done by the all-reduce: into its own result, right
-    after the reduction, not as a kernel writing a third array (all_reduce_add), where the add
-    stood. The other operand must broadcast to the result, of its dtype, and the sum must not
-    be a value the graph returns (whose partial sums then get no buffer, so no shared slot
-    either: passes/memory.py). Runs after fusion: an add that joined a fused group stays
-    there."""
-    users = graph.users()
-    outputs = {o.id for o in graph.outputs if isinstance(o, Node)}
-    new: dict[int, Node] = {}
-    for u in graph.nodes:
-        if not (u.kind == "op" and u.name == "add" and u.variant == "impl"
-                and len(u.inputs) == 2 and not u.params and u.id not in outputs):
-            continue
-        for j, c in enumerate(u.inputs):
-            h = u.inputs[1 - j]
-            if (isinstance(c, Node) and _all_reduce_dim(c) is not None and "add" not in c.params
-                    and [x.id for x in users.get(c.id, ())] == [u.id]
-                    and isinstance(h, (Node, np.ndarray)) and h.dtype == c.dtype == u.dtype
-                    and np.broadcast_shapes(tuple(h.shape), tuple(c.shape)) == tuple(c.shape)):
-                c.inputs, c.params["add"] = [c.inputs[0], h], True
-                new[u.id] = c
-                break
-    if new:  # each folded all-reduce runs where its add stood (the addend is ready there)
-        moved = {c.id for c in new.values()}
-        graph.nodes = [new.get(n.id, n) for n in graph.nodes if n.id not in moved]
-        for n in graph.nodes:  # (no folded add is an output: those are left alone)
-            n.inputs = [new.get(a.id, a) if isinstance(a, Node) else a for a in n.inputs]
-    return graph
-
-
-def all_reduce_add(x, addend, *, run, out=None):
-    """A folded all-reduce (fold_reduce_adds): the reduction, then ``addend`` added into the
-    result in place (the bits of the add it replaces: a sum of two is one rounding either
-    way round)."""
-    y = run(x, out=out)
-    return np.add(addend, y, out=y)

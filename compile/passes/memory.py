@@ -134,28 +134,15 @@ def _donate_to_collectives(graph: Graph) -> None:
     0.48 ms for 1 MB at 2 ranks). The result keeps the buffer, whose lifetime the plan already
     extends over the collective's result (see ``root`` above).
 
-    And when no collective runs between the buffer's producer and the all-reduce (so no other
-    call can take the slot first), the producer is staged: it writes into the shared slot the
-    all-reduce posts from (Comm.all_reduce_operand), which saves that copy, and the
-    all-reduce's result takes the buffer (``buffer`` stays the producer's fallback where the
-    group has no slot). The copy into a slot the peers read last time costs ~100 us a MB,
-    against ~25 into private memory, and a tensor-parallel step makes one for each
-    row-parallel GEMM. The whole standard TP=2 step, staging toggled at run time in one
-    process, did not change measurably (per-pair medians 1.0007, 1.0067, 1.0006): the GEMM
-    then writes the lines the peer read last, and pays for them what the copy did."""
+    (The producer writing straight into the all-reduce's shared slot instead, which saves the
+    copy into it, was tried and removed: the standard TP=2 step, toggled at run time in one
+    process, did not change (per-pair medians 1.0007, 1.0067, 1.0006); the GEMM then writes
+    the lines the peer read last and pays for them what the copy did.)"""
     users = graph.users()
-    index = {n.id: i for i, n in enumerate(graph.nodes)}
-    last = -1  # the last collective so far
-    for i, n in enumerate(graph.nodes):
+    for n in graph.nodes:
         a = n.inputs[0] if n.kind == "comm" and n.name == "all_reduce" else None
         while (isinstance(a, Node) and len(users.get(a.id, ())) == 1 and a.buffer is None
                and a.kind == "op" and a.name in VIEW_OPS):
             a = a.inputs[0]
         if isinstance(a, Node) and len(users.get(a.id, ())) == 1 and a.buffer is not None:
-            if index.get(a.id, -1) > last:
-                a.staged_for, n.buffer = n, len(graph.buffers)
-                graph.buffers.append((tuple(n.shape), n.dtype, graph.buffers[a.buffer][2]))
-            else:
-                n.params["donate"] = True
-        if n.kind == "comm":
-            last = i
+            n.params["donate"] = True

@@ -225,9 +225,7 @@ class _Entry:
         inputs = [feed(args, kwargs) for feed in self.feeds]
         slots = [make() for make in self.graph.slots]
         if self.buffers is None:  # the memory plan's arena, allocated on the first call
-            arena = np.empty(self.graph.arena_bytes, np.uint8)
-            self.buffers = [np.ndarray(shape, dtype, buffer=arena, offset=off)
-                            for shape, dtype, off in self.graph.buffers]
+            self.buffers = passes.memory.arena_buffers(self.graph)
         profile = observe.SPANS  # with a profile open, a span for each node
         calls = self.tables["F"] if profile is None else profile.table(self)
         outs = self.run_fn(inputs, slots, calls, self.tables["K"], self.buffers)

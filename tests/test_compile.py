@@ -173,6 +173,43 @@ def test_adamw_updates_parameters_in_place(backend, monkeypatch):
         np.testing.assert_array_equal(params[k], fresh[k], err_msg=k)
 
 
+def _address(a) -> int:
+    return a.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("nbytes", [64, 200, 4096, 10_000, 150_000, 1 << 20, 3_000_001])
+def test_the_memory_plans_arena_starts_on_a_page(nbytes):
+    """The arena starts on a page, so each buffer (at a multiple of 64 bytes in it) starts on a
+    cache line, whatever address numpy's allocation got (malloc aligns to 16 bytes): arenas
+    from the heap and from fresh mappings, after allocations that move the heap along."""
+    from types import SimpleNamespace
+    from dtensor.compile.passes import memory
+    for shift in (24, 40, 3000):
+        moved = np.empty(shift, np.uint8)  # noqa: F841 (held while the arena is allocated)
+        plan = SimpleNamespace(arena_bytes=nbytes, buffers=[((1,), np.float64, 0)] + [
+            ((16,), np.float32, k * 64) for k in range(1, min(nbytes // 64, 50))])
+        bufs = memory.arena_buffers(plan)
+        assert _address(bufs[0]) % 4096 == 0, (nbytes, shift, hex(_address(bufs[0])))
+        assert all(_address(b) % 64 == 0 for b in bufs), (nbytes, shift)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_a_compiled_steps_buffers_start_on_cache_lines(backend):
+    dtensor.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL))
+    x = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (2, 8))
+
+    def loss_and_grads():
+        _, loss = model(x, x)
+        loss.backward()
+        return loss
+
+    run = dtensor.compile(loss_and_grads, backend=backend)
+    run()
+    assert len(run.last.buffers) > 10
+    assert all(_address(b) % 64 == 0 for b in run.last.buffers)
+
+
 def _views_of(base, sizes, order=None):
     """p, g, m, v of each parameter, p/m/v as views of rows 0-2 of ``base`` at their columns."""
     starts = np.cumsum([0] + list(sizes[:-1]))

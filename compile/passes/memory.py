@@ -101,8 +101,7 @@ def arena_buffers(graph: Graph) -> list[np.ndarray]:
     every buffer, its vectors straddling two lines. The standard TP=2 C step, its arena on a
     page against the same graph's arena 48 bytes past a line, swapped each step at run time:
     per-pair medians 0.9886, 0.9837, 0.989, 0.9856, 0.9765, 0.9932; swapping two arenas at one
-    offset (an A/A): 1.0079, 0.9821, 1.0003, 0.9966, 1.0, 0.9839. It also took away most of the
-    ~1-2% that a graph compiled second in one process ran faster than the first."""
+    offset (an A/A): 1.0079, 0.9821, 1.0003, 0.9966, 1.0, 0.9839."""
     raw = np.empty(graph.arena_bytes + _PAGE, np.uint8)
     start = -raw.__array_interface__["data"][0] % _PAGE
     arena = raw[start:start + graph.arena_bytes]

@@ -301,14 +301,14 @@ def _adamw_group_source() -> str:
         if e.prim == "const" else _SPELL[e.prim].format(*args))
     return "\n".join([
         "@triton.jit",
-        "def kernel(p_tab, g_tab, m_tab, v_tab, size_tab, offset_tab, k_tab, chunk_tensor,",
+        "def kernel(tab, size_tab, offset_tab, k_tab, chunk_tensor,",
         "           chunk_start, out_ptr, TOTAL, BLOCK: tl.constexpr):",
         "    pid = tl.program_id(0)",
         "    t = tl.load(chunk_tensor + pid)",
         "    offs = tl.load(chunk_start + pid) + tl.arange(0, BLOCK)",
         "    mask = offs < tl.load(size_tab + t)",
-        *[f"    {x} = tl.load(tl.load({x}_tab + t).to(tl.pointer_type(tl.float32)) + offs, "
-          "mask=mask)" for x in "pgmv"],
+        *[f"    {x} = tl.load(tl.load(tab + 4 * t + {k}).to(tl.pointer_type(tl.float32)) + offs,"
+          " mask=mask)" for k, x in enumerate("pgmv")],
         *[f"    k{j} = tl.load(k_tab + 7 * t + {j})" for j in range(7)],
         *[f"    {name} = {text}" for name, text in lines],
         "    o = tl.load(offset_tab + t) + offs",
@@ -338,14 +338,12 @@ class _AdamWGroup(kernels.Named):
     def __call__(self, *arrays, each=(), out=None, in_place=False, **hp):
         from dtensor.compile.numpy_backend import adamw_table, update_target
         arrays = [np.ascontiguousarray(a) for a in arrays]  # kept alive through the launch
-        tables = [np.array([kernels.address(a) for a in arrays[k::4]], np.int64)
-                  for k in range(4)]
+        tab = np.array([kernels.address(a) for a in arrays], np.int64)  # p, g, m, v of each
         hp_tab = adamw_table(hp, len(self.sizes), np.float32)
-        out = (update_target(arrays, self.sizes, in_place, np.stack(tables, axis=1))
-               if out is None else out)
+        out = update_target(arrays, self.sizes, in_place, tab) if out is None else out
         if len(self.chunk_tensor):
             self.mod.kernel[(len(self.chunk_tensor),)](
-                *[as_triton_arg(t) for t in tables], as_triton_arg(self.size_tab),
+                as_triton_arg(tab), as_triton_arg(self.size_tab),
                 as_triton_arg(self.offset_tab), as_triton_arg(hp_tab),
                 as_triton_arg(self.chunk_tensor), as_triton_arg(self.chunk_start),
                 as_triton_arg(out), self.total, BLOCK=self.block)

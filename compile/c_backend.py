@@ -3,14 +3,16 @@ the CPU counterpart of its Triton one.
 
 Every kernel of compile/kernels.py (fused pointwise groups, row groups, the row-wise ops:
 softmax, layer-norm, cross-entropy and their backwards, random draws) is rendered as a C
-function from its expression, and so are the AdamW group update and index_add; one graph's
-functions are one C file, compiled once with the system C compiler (``$CC``, else ``cc``) into
-a shared library named by the hash of its source and flags, and called through ctypes. A
-kernel streams each row once per level of its row reductions: the temporaries numpy
-materialises between ufuncs stay in registers, reductions run in 8 lanes, and the loops are
-SIMD-vectorised (``-O3 -march=native``; exp is a polynomial the compiler can vectorise, since
-libm's is a scalar call). ctypes releases the GIL, so a large kernel's rows are split over the
-threads of :func:`num_threads` and run in parallel.
+function from its expression. index_add, attention and the AdamW group's loops (its arithmetic
+is the adamw_step op's expression) are written by hand in compile/c_typed.c, over a type T,
+included once per floating type after the helpers of compile/c_prelude.c. One graph's functions
+follow those in one C file, compiled once by compile/native.py (the system C compiler, ``$CC``
+else ``cc``) into a shared library named by the hash of its source and flags, and called
+through ctypes. A kernel streams each row once per level of its row reductions: the
+temporaries numpy materialises between ufuncs stay in registers, reductions run in 8 lanes,
+and the loops are SIMD-vectorised (``-O3 -march=native``; exp is a polynomial the compiler can
+vectorise, since libm's is a scalar call). ctypes releases the GIL, so a large kernel's rows
+are split over the threads of :func:`num_threads` and run in parallel.
 
 Results match numpy's to float rounding, not bit for bit: the same formulas in the same order
 (``-ffp-contract=off``: no fused multiply-adds numpy would not do), but exp, log and the
@@ -22,691 +24,36 @@ calls.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import queue
-import re
-import shutil
-import subprocess
-import threading
+from pathlib import Path
 
 import numpy as np
-from dtensor.compile import cache, kernels
+from dtensor.compile import kernels, native
+from dtensor.compile.native import CompilerNotFound, build, cuts, num_threads, parallel, run_rows
 
 from dtensor.graph import Graph, Node
 from dtensor.ops import expr as X
 
 __all__ = ["lower_graph", "num_threads", "CompilerNotFound"]
 
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
-         "-fPIC", "-shared")
-
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double",
           np.dtype(np.bool_): "uint8_t", np.dtype(np.int64): "int64_t"}
 _SUFFIX = {"float": "f32", "double": "f64"}
 
-# Float exp is Cephes' expf (< 2 ulp) written with selects so that loops calling it vectorise.
-# Draws are dtensor/random.py's Philox4x32-10 and its conversions (rand bit for bit).
-_COMMON = r"""#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef __AVX__
-#include <immintrin.h>
-#define DT_STREAM_f32(dst, src) _mm256_stream_ps((dst), _mm256_loadu_ps(src))
-#define DT_STREAM_f64(dst, src) _mm256_stream_pd((dst), _mm256_loadu_pd(src))
-#endif
 
-/* 32-byte vectors for the attention kernels' register tiles (AVX, or pairs of SSE registers),
-   multiply-added with one rounding where the machine has FMA. */
-typedef float float_vec __attribute__((vector_size(32)));
-typedef double double_vec __attribute__((vector_size(32)));
-#define VEC(t) t##_vec
-#define DT_W(t) ((int64_t)(32 / sizeof(t)))  /* lanes */
-/* Attention's query rows per block: a block's products hold 2 accumulators a row, so 8 rows
-   where the CPU has 32 vector registers (AVX-512) and 4 where it has 16. The order of every
-   sum is the same either way. Min of 200 calls, one thread, AMD EPYC (Zen 4), forward and
-   backward ms, 4 -> 8 rows: 32 heads x 128 x 32: 0.94 -> 0.73 and 1.74 -> 1.44; 24 x 256 x 64:
-   5.6 -> 4.0 and 11.8 -> 8.1 (an AVX2 build there: 8 rows 4-7% slower than 4). */
-#ifdef __AVX512VL__
-#define DT_R 8
-#else
-#define DT_R 4
-#endif
-
-static inline float_vec dt_vfma_f32(float_vec a, float_vec b, float_vec c) {
-#ifdef __FMA__
-    return (float_vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    return a * b + c;
-#endif
-}
-
-static inline double_vec dt_vfma_f64(double_vec a, double_vec b, double_vec c) {
-#ifdef __FMA__
-    return (double_vec)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
-#else
-    return a * b + c;
-#endif
-}
-
-/* (not 0 + x: without -ffast-math the compiler must keep that addition, for -0) */
-static inline float_vec dt_vset_f32(float x) { return (float_vec){x, x, x, x, x, x, x, x}; }
-static inline double_vec dt_vset_f64(double x) { return (double_vec){x, x, x, x}; }
-static inline float_vec dt_vload_f32(const float *p) { float_vec v; memcpy(&v, p, 32); return v; }
-static inline double_vec dt_vload_f64(const double *p) {
-    double_vec v; memcpy(&v, p, 32); return v;
-}
-static inline void dt_vstore_f32(float *p, float_vec v) { memcpy(p, &v, 32); }
-static inline void dt_vstore_f64(double *p, double_vec v) { memcpy(p, &v, 32); }
-
-/* to[e ts + j] = a[j as + e] for j, e < 8: an 8 x 8 block transposed in registers (AVX's
-   unpack, shuffle and lane-swap network). One element at a time, each row's 8 stores went to
-   8 lines ts apart: attention's per-head K^T copy took 15% of the forward kernel. */
-static inline void dt_t8_f32(const float *a, int64_t as, float *to, int64_t ts) {
-#ifdef __AVX__
-    __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(a + i * as);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(to + i * ts, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-        _mm256_storeu_ps(to + (i + 4) * ts, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
-    }
-#else
-    for (int j = 0; j < 8; j++)
-        for (int e = 0; e < 8; e++) to[e * ts + j] = a[j * as + e];
-#endif
-}
-
-static inline void dt_t8_f64(const double *a, int64_t as, double *to, int64_t ts) {
-    for (int j = 0; j < 8; j++)
-        for (int e = 0; e < 8; e++) to[e * ts + j] = a[j * as + e];
-}
-
-/* A row reduction's 8 lanes, one vector: each 8 columns' terms are computed lane by lane
-   into an array, then added (or maxed) into the accumulator as one vector operation. GCC 12
-   compiled 8-lane arrays accumulated in place into shuffles and scalar adds: at 512-bit width
-   always, at 256-bit width when a pass carries two sums. Each kernel compiled on its own, min
-   of 100 calls, AMD EPYC (Zen 4), rows of 256: layer-norm backward (two sums a pass) 462 ->
-   98 us; normalize 76 -> 70 us, and no longer needs 256-bit vectors to get there. */
-typedef float float_8 __attribute__((vector_size(8 * sizeof(float))));
-typedef double double_8 __attribute__((vector_size(8 * sizeof(double))));
-
-static inline float dt_exp_upto_f32(float x, float hi) {
-    /* Clamped to where the scale's two factors stay normal: past 88.8 the product overflows
-       to inf, below -110 it underflows to 0, and a NaN passes through the clamp and the
-       arithmetic. ``hi`` INFINITY: x is known <= 0 (a softmax row less its max), and the
-       upper clamp goes (GCC 12 builds the clamps from AVX-512 masks, which Zen 4 runs slowly:
-       the attention kernels' exps 255 -> 210 us a call). */
-    float xc = x < -110.0f ? -110.0f : (x > hi ? hi : x);
-    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round(x / ln 2) */
-    float r = fmaf(n, -0.693359375f, xc);
-    r = fmaf(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r) + 1.0f;
-    int32_t ni = (int32_t)n, h = ni >> 1;  /* 2^n as two factors: n may be -159 .. 128 */
-    union { int32_t i; float f; } s1, s2;
-    s1.i = (h + 127) << 23;
-    s2.i = (ni - h + 127) << 23;
-    return p * s1.f * s2.f;
-}
-
-static inline float dt_exp_f32(float x) { return dt_exp_upto_f32(x, 88.8f); }
-static inline double dt_exp_f64(double x) { return exp(x); }
-static inline double dt_exp_upto_f64(double x, double hi) { return exp(x); }
-
-static inline void dt_philox(uint64_t key, int64_t off, uint32_t c[4]) {
-    uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
-    c[0] = (uint32_t)off; c[1] = (uint32_t)(off >> 32); c[2] = 0; c[3] = 0;
-    for (int i = 0; i < 10; i++) {
-        uint64_t p0 = (uint64_t)0xD2511F53u * c[0], p1 = (uint64_t)0xCD9E8D57u * c[2];
-        c[0] = (uint32_t)(p1 >> 32) ^ c[1] ^ k0; c[1] = (uint32_t)p1;
-        c[2] = (uint32_t)(p0 >> 32) ^ c[3] ^ k1; c[3] = (uint32_t)p0;
-        k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
-    }
-}
-
-static inline float dt_uniform(uint32_t x) {
-    int32_t i = (int32_t)x;
-    return (float)(i < 0 ? ~i : i) * 4.6566127342e-10f;
-}
-
-static inline float dt_rand(uint64_t key, int64_t off) {
-    uint32_t c[4];
-    dt_philox(key, off, c);
-    return dt_uniform(c[0]);
-}
-
-static inline float dt_randn(uint64_t key, int64_t off) {  /* Box-Muller, as random.randn */
-    uint32_t c[4];
-    dt_philox(key, off, c);
-    float u1 = dt_uniform(c[0]), u2 = dt_uniform(c[1]);
-    u1 = u1 > 1.0e-7f ? u1 : 1.0e-7f;
-    return sqrtf(-2.0f * logf(u1)) * cosf(6.283185307179586f * u2);
-}
-"""
-
-# index_add and the AdamW group for one floating type: T is the type, _S the name suffix; the
-# update's arithmetic is the adamw_step op's expression, rendered into ADAMW_BODY.
-_TYPED = r"""
-/* index_add (an embedding's gradient): row i of g (n rows of C) added into row idx[i] - off
-   of zeros (rows, C) when that row lies in [0, rows) (a vocab-parallel shard holds rows
-   off..off+rows), in order of i (numpy's reduceat associates a row's terms pairwise: the
-   sums agree to rounding). Threads split the columns [c0, c1). */
-void index_add_S(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off, int64_t rows,
-                 int64_t C, int64_t c0, int64_t c1) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = c0; c < c1; c++) out[r * C + c] = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t r = idx[i] - off;
-        if (r < 0 || r >= rows) continue;
-        const T *src = g + i * C;
-        T *dst = out + r * C;
-        for (int64_t c = c0; c < c1; c++) dst[c] += src[c];
-    }
-}
-
-/* Causal (or full) attention over heads h0..h1 of (L, E) blocks, as FlashAttention does on a
-   CPU: DT_R query rows at a time, whose scores (DT_R rows of at most L) stay in L1 and never make
-   an (L, L) matrix; a causal block reads only the keys up to its last row. The products are
-   register-tiled: dt_rows_product (scores = rows x K^T, and rows of p x V) and
-   dt_rows_scatter (K's and V's gradients += p^T x rows), each holding DT_R x 2 vectors of
-   accumulators. One head's K and V sit transposed (E rows of Lp) or padded (rows of Ep), Lp
-   and Ep whole pairs of vectors, zero past L and E, so no loop has a tail.
-   Every tensor is read and written where it lies: head h of tensor t starts at off[t H + h]
-   and its rows are rs[t] apart (the (B, T, heads, E) projections need no transposing copy). */
-
-/* o[r][c] = sum_{k<K} a[r as + k] b[k bs + c] for the DT_R rows of a and c < C, a whole number
-   of vector pairs (rows of o os apart): the scores (a = q's rows, b = K^T) and the products of
-   p with V or of ds with K (a = p's rows, b = V), 2 vectors of accumulators a row in registers. */
-static inline void dt_rows_product_S(const T *a, int64_t as, const T *b, int64_t bs, T *o,
-                                     int64_t os, int64_t K, int64_t C) {
-    const int64_t W = DT_W(T);
-    for (int64_t c = 0; c < C; c += 2 * W) {
-        VEC(T) acc[DT_R][2];
-        for (int r = 0; r < DT_R; r++) acc[r][0] = acc[r][1] = (VEC(T)){0};
-        for (int64_t k = 0; k < K; k++) {
-            VEC(T) b0 = dt_vload_S(b + k * bs + c), b1 = dt_vload_S(b + k * bs + c + W);
-            for (int r = 0; r < DT_R; r++) {
-                VEC(T) x = dt_vset_S(a[r * as + k]);
-                acc[r][0] = dt_vfma_S(b0, x, acc[r][0]);
-                acc[r][1] = dt_vfma_S(b1, x, acc[r][1]);
-            }
-        }
-        for (int r = 0; r < DT_R; r++) {
-            dt_vstore_S(o + r * os + c, acc[r][0]);
-            dt_vstore_S(o + r * os + c + W, acc[r][1]);
-        }
-    }
-}
-
-static inline void dt_rows_scatter_S(const T *p, const T *x, T *acc, int64_t n, int64_t Lp,
-                                     int64_t Ep) {  /* acc[j][:] += sum_r p[r][j] x[r][:] */
-    const int64_t W = DT_W(T);
-    for (int64_t c = 0; c < Ep; c += 2 * W) {
-        VEC(T) xv[DT_R][2];
-        for (int r = 0; r < DT_R; r++) {
-            xv[r][0] = dt_vload_S(x + r * Ep + c);
-            xv[r][1] = dt_vload_S(x + r * Ep + c + W);
-        }
-        for (int64_t j = 0; j < n; j++) {
-            T *d = acc + j * Ep + c;
-            VEC(T) d0 = dt_vload_S(d), d1 = dt_vload_S(d + W);
-            for (int r = 0; r < DT_R; r++) {
-                VEC(T) y = dt_vset_S(p[r * Lp + j]);
-                d0 = dt_vfma_S(xv[r][0], y, d0);
-                d1 = dt_vfma_S(xv[r][1], y, d1);
-            }
-            dt_vstore_S(d, d0);
-            dt_vstore_S(d + W, d1);
-        }
-    }
-}
-
-static inline T dt_dot_S(const T *a, const T *b, int64_t n) {  /* in 8 lanes */
-    T acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sum;
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[j + l] * b[j + l];
-    sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; j < n; j++) sum += a[j] * b[j];
-    return sum;
-}
-
-static inline void dt_pad_t_S(const T *a, int64_t rs, T *to, int64_t L, int64_t E,
-                              int64_t Lp) {  /* L rows of E -> (E, Lp), zero past L */
-    const int64_t L8 = L / 8 * 8, E8 = E / 8 * 8;
-    for (int64_t j = 0; j < L8; j += 8)  /* 8 rows at a time, each read once */
-        for (int64_t e = 0; e < E8; e += 8) dt_t8_S(a + j * rs + e, rs, to + e * Lp + j, Lp);
-    for (int64_t j = 0; j < L; j++)  /* what is left: the last E % 8 columns, L % 8 rows */
-        for (int64_t e = j < L8 ? E8 : 0; e < E; e++) to[e * Lp + j] = a[j * rs + e];
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t j = L; j < Lp; j++) to[e * Lp + j] = 0;
-}
-
-/* L rows of E, rs apart -> rows of Ep, zero past E; a itself when its rows are that already.
-   (Rows a power-of-two stride apart, the heads of a (T, heads, E) projection, fall in a few
-   cache sets: read in place they thrashed L1, measured slower than this copy.) */
-static inline const T *dt_pad_S(const T *a, int64_t rs, T *to, int64_t L, int64_t E,
-                                int64_t Ep) {
-    if (E == Ep && rs == Ep) return a;
-    for (int64_t j = 0; j < L; j++) {
-        memcpy(to + j * Ep, a + j * rs, sizeof(T) * E);
-        memset(to + j * Ep + E, 0, sizeof(T) * (Ep - E));
-    }
-    return to;
-}
-
-/* Rows i0.. of a block (nr of them, rs apart; the rest zero): a (scaled) into x (DT_R rows
-   of E) and xp (DT_R rows of Ep). Returns the keys the block reads: up to its last row if
-   causal. */
-static inline int64_t dt_block_rows_S(const T *a, int64_t rs, T *x, T *xp, int64_t i0,
-                                      int64_t nr, int64_t L, int64_t E, int64_t Ep, T scale,
-                                      int causal) {
-    memset(xp, 0, sizeof(T) * DT_R * Ep);
-    for (int64_t r = 0; r < DT_R; r++)
-        for (int64_t e = 0; e < E; e++)
-            x[r * E + e] = xp[r * Ep + e] = r < nr ? a[(i0 + r) * rs + e] * scale : 0;
-    return causal ? i0 + nr : L;
-}
-
-static inline int64_t dt_keys_S(int64_t i, int64_t n, int causal) {  /* row i's keys */
-    return causal && i + 1 < n ? i + 1 : n;
-}
-
-/* A block's DT_R rows of scores (ss apart; row r is query i0 + r's) -> exp(s - the row's max)
-   over its keys, 0 from there to nv; each row's sum into total. Loops run to nv, whole vectors,
-   the keys past a row's at -inf (a scalar tail of up to 15 exps a row cost more); their exp is
-   taken of 0 and replaced by 0, since exp(-inf)'s scaling underflows, which the CPU finishes
-   slowly (forward -5%, backward -2%, same bits). The rows go side by side, 8 lanes each, so
-   their chains of latencies (max, sum) overlap; one row at a time, the rows took half the
-   forward kernel's time (side by side: forward -12%, backward -9%, same bits). */
-static inline void dt_exp_rows_S(T *s, int64_t ss, int64_t i0, int64_t n, int causal,
-                                 int64_t nv, T *total) {
-    T mx[DT_R][8], acc[DT_R][8], m[DT_R];
-    for (int r = 0; r < DT_R; r++) {
-        for (int64_t j = dt_keys_S(i0 + r, n, causal); j < nv; j++) s[r * ss + j] = -INFINITY;
-        for (int l = 0; l < 8; l++) mx[r][l] = -INFINITY, acc[r][l] = 0;
-    }
-    for (int64_t j = 0; j < nv; j += 8)
-        for (int r = 0; r < DT_R; r++)
-            for (int l = 0; l < 8; l++)
-                mx[r][l] = s[r * ss + j + l] > mx[r][l] ? s[r * ss + j + l] : mx[r][l];
-    for (int r = 0; r < DT_R; r++) {
-        m[r] = -INFINITY;
-        for (int l = 0; l < 8; l++) m[r] = mx[r][l] > m[r] ? mx[r][l] : m[r];
-    }
-    for (int64_t j = 0; j < nv; j += 8)
-        for (int r = 0; r < DT_R; r++)
-            for (int l = 0; l < 8; l++) {
-                T x = s[r * ss + j + l] - m[r];
-                T e = x == -INFINITY ? 0 : dt_exp_upto_S(x == -INFINITY ? 0 : x, INFINITY);
-                s[r * ss + j + l] = e;
-                acc[r][l] += e;
-            }
-    for (int r = 0; r < DT_R; r++)
-        total[r] = ((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]))
-                   + ((acc[r][4] + acc[r][5]) + (acc[r][6] + acc[r][7]));
-}
-
-/* The scratch one call of attention_S (backward 0) or attention_backward_S (1) needs, in T's:
-   the caller passes that many, on a cache line (a vector never straddles two). */
-int64_t attention_scratch_S(int64_t L, int64_t E, int64_t backward) {
-    const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
-    const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
-    return backward ? 2 * E * Lp + 3 * Lp * Ep + DT_R * (2 * Lp + 2 * E + 3 * Ep)
-                    : E * Lp + Lp * Ep + DT_R * (Lp + E + 2 * Ep);
-}
-
-/* q, k, v, out: tensors 0-3 of off and rs. */
-void attention_S(const T *q, const T *k, const T *v, T *out, const int64_t *off,
-                 const int64_t *rs, T *kt, int64_t h0, int64_t h1, int64_t H, int64_t L,
-                 int64_t E, T scale, int causal) {
-    const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
-    const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
-    T *vp = kt + E * Lp, *s = vp + Lp * Ep, *qs = s + DT_R * Lp, *qp = qs + DT_R * E;
-    T *o = qp + DT_R * Ep;
-    for (int64_t h = h0; h < h1; h++) {
-        T *oh = out + off[3 * H + h];
-        dt_pad_t_S(k + off[H + h], rs[1], kt, L, E, Lp);
-        const T *vh = dt_pad_S(v + off[2 * H + h], rs[2], vp, L, E, Ep);
-        for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
-            int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
-            int64_t n = dt_block_rows_S(q + off[h], rs[0], qs, qp, i0, nr, L, E, Ep, scale,
-                                        causal);
-            int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
-            T total[DT_R];
-            dt_rows_product_S(qs, E, kt, Lp, s, Lp, E, nv);
-            dt_exp_rows_S(s, Lp, i0, n, causal, nv, total);
-            dt_rows_product_S(s, Lp, vh, Ep, o, Ep, n, Ep);
-            for (int64_t r = 0; r < nr; r++)
-                for (int64_t e = 0; e < E; e++)
-                    oh[(i0 + r) * rs[3] + e] = o[r * Ep + e] / total[r];
-        }
-    }
-}
-
-/* The gradients of q, k, v from the output's gradient g (tensors 0-6 of off and rs: g, q, k, v,
-   dq, dk, dv), recomputing each block's p: ds_ij = p_ij (dp_ij - sum_j p_ij dp_ij) with
-   dp = g v^T; dq = scale ds k, dk = ds^T (scale q), dv = p^T g. */
-void attention_backward_S(const T *g, const T *q, const T *k, const T *v, T *out,
-                          const int64_t *off, const int64_t *rs, T *kt, int64_t h0,
-                          int64_t h1, int64_t H, int64_t L, int64_t E, T scale, int causal) {
-    const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
-    const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
-    T *vt = kt + E * Lp, *kp = vt + E * Lp, *dk = kp + Lp * Ep, *dv = dk + Lp * Ep;
-    T *p = dv + Lp * Ep, *dp = p + DT_R * Lp, *qs = dp + DT_R * Lp, *gs = qs + DT_R * E;
-    T *qp = gs + DT_R * E, *gp = qp + DT_R * Ep, *o = gp + DT_R * Ep;
-    for (int64_t h = h0; h < h1; h++) {
-        T *dqh = out + off[4 * H + h], *dkh = out + off[5 * H + h], *dvh = out + off[6 * H + h];
-        dt_pad_t_S(k + off[2 * H + h], rs[2], kt, L, E, Lp);
-        dt_pad_t_S(v + off[3 * H + h], rs[3], vt, L, E, Lp);
-        const T *kh = dt_pad_S(k + off[2 * H + h], rs[2], kp, L, E, Ep);
-        /* K's and V's gradients accumulate where they go when those rows are Ep apart */
-        int inplace = E == Ep && rs[5] == Ep && rs[6] == Ep;
-        T *dka = inplace ? dkh : dk, *dva = inplace ? dvh : dv;
-        memset(dka, 0, sizeof(T) * L * Ep);
-        memset(dva, 0, sizeof(T) * L * Ep);
-        for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
-            int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
-            int64_t n = dt_block_rows_S(q + off[H + h], rs[1], qs, qp, i0, nr, L, E, Ep, scale,
-                                        causal);
-            int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
-            dt_block_rows_S(g + off[h], rs[0], gs, gp, i0, nr, L, E, Ep, 1, causal);
-            dt_rows_product_S(qs, E, kt, Lp, p, Lp, E, nv);
-            dt_rows_product_S(gs, E, vt, Lp, dp, Lp, E, nv);
-            T totals[DT_R];
-            dt_exp_rows_S(p, Lp, i0, n, causal, nv, totals);
-            for (int64_t r = 0; r < DT_R; r++) {
-                int64_t lim = dt_keys_S(i0 + r, n, causal);
-                T *pr = p + r * Lp, *dr = dp + r * Lp, total = totals[r];
-                for (int64_t j = 0; j < lim; j++) pr[j] /= total;
-                T d = dt_dot_S(pr, dr, lim);
-                for (int64_t j = 0; j < nv; j++) dr[j] = pr[j] * (dr[j] - d);
-            }
-            dt_rows_product_S(dp, Lp, kh, Ep, o, Ep, n, Ep);
-            for (int64_t r = 0; r < nr; r++)
-                for (int64_t e = 0; e < E; e++) dqh[(i0 + r) * rs[4] + e] = o[r * Ep + e] * scale;
-            dt_rows_scatter_S(dp, qp, dka, n, Lp, Ep);
-            dt_rows_scatter_S(p, gp, dva, n, Lp, Ep);
-        }
-        for (int64_t j = 0; !inplace && j < L; j++)
-            for (int64_t e = 0; e < E; e++) {
-                dkh[j * rs[5] + e] = dk[j * Ep + e];
-                dvh[j * rs[6] + e] = dv[j * Ep + e];
-            }
-    }
-}
-
-/* p, m, v may be po, mo, vo themselves (an update in place): no restrict on those. */
-static inline void dt_adamw_rows_S(const T *p, const T *restrict g, const T *m, const T *v,
-                                    T *po, T *mo, T *vo, int64_t n, const T *k) {
-    for (int64_t i = 0; i < n; i++) {
-ADAMW_BODY
-    }
-}
-
-/* The AdamW update of parameters q0..q1 (addresses in tab: p, g, m, v of each in turn) into
-   the rows of out (3, total); hp: the 7 constants of each parameter's update (adamw_constants),
-   rounded to T first, as numpy rounds a Python float against a T array.
-   The three results go out with non-temporal stores where the rows line up on 32 bytes: they
-   are not read again this step, and a plain store first reads each line of out from memory
-   (measured, the standard workload's 5.28M float parameters on one thread: 15-18 -> 12-13
-   ms). */
-void adamw_group_S(const int64_t *tab, const int64_t *sizes, const int64_t *offsets,
-                   const double *hp, T *out, int64_t total, int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; q++) {
-        const T *p = (const T *)tab[4 * q], *g = (const T *)tab[4 * q + 1];
-        const T *m = (const T *)tab[4 * q + 2], *v = (const T *)tab[4 * q + 3];
-        const double *h = hp + 7 * q;
-        const T k[7] = {(T)h[0], (T)h[1], (T)h[2], (T)h[3], (T)h[4], (T)h[5], (T)h[6]};
-        T *po = out + offsets[q], *mo = po + total, *vo = po + 2 * total;
-        int64_t i = 0, n = sizes[q];
-#ifdef __AVX__
-        i = (int64_t)(((32 - ((uintptr_t)po & 31)) & 31) / sizeof(T));  /* to an aligned po */
-        i = i < n ? i : n;
-        dt_adamw_rows_S(p, g, m, v, po, mo, vo, i, k);
-        if ((((uintptr_t)(po + i) | (uintptr_t)(mo + i) | (uintptr_t)(vo + i)) & 31) == 0) {
-            enum { L = 32 / sizeof(T) };
-            for (; i + 64 <= n; i += 64) {  /* 64 results to the stack, then streamed out */
-                T r[3][64];
-                dt_adamw_rows_S(p + i, g + i, m + i, v + i, r[0], r[1], r[2], 64, k);
-                for (int j = 0; j < 64; j += L) {
-                    DT_STREAM_S(po + i + j, r[0] + j);
-                    DT_STREAM_S(mo + i + j, r[1] + j);
-                    DT_STREAM_S(vo + i + j, r[2] + j);
-                }
-            }
-            _mm_sfence();  /* the streamed lines are visible before the caller reads out */
-        }
-#endif
-        dt_adamw_rows_S(p + i, g + i, m + i, v + i, po + i, mo + i, vo + i, n - i, k);
-    }
-}
-"""
+def _source(name: str) -> str:
+    return (Path(__file__).parent / name).read_text()
 
 
 def _typed(ctype: str) -> str:
+    """compile/c_typed.c for ``ctype``: its type, name suffix and AdamW update defined first."""
     leaves = ["p[i]", "g[i]", "m[i]", "v[i]"] + [f"k[{j}]" for j in range(7)]
     lines, (po, mo, vo) = kernels.adamw_body(
         lambda e, args: leaves[e.attr] if e.prim == "in" else _spell(e, args, ctype))
-    body = [f"        {ctype} {name} = {expr};" for name, expr in lines]
-    body += [f"        mo[i] = {mo};", f"        vo[i] = {vo};", f"        po[i] = {po};"]
-    text = re.sub(r"\bT\b", ctype, _TYPED).replace("_S(", f"_{_SUFFIX[ctype]}(")
-    return text.replace("ADAMW_BODY", "\n".join(body))
-
-
-class CompilerNotFound(RuntimeError):
-    """backend='c' found no C compiler to run (none on PATH, or $CC does not run)."""
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise CompilerNotFound(
-            "dtensor.compile(backend='c') needs a C compiler: none on PATH (cc, gcc) and $CC is "
-            "unset. Install one (Debian: apt-get install gcc) or use backend='numpy'.")
-    return cc
-
-
-def _cpu() -> str:
-    """What -march=native depends on: a library built here must not load on another CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _library_stem(source: str, cc: str) -> str:
-    """Cache path (no suffix) of ``source``'s library: named by the hash of the source,
-    compiler, flags and CPU."""
-    key = "\n".join([source, cc, " ".join(FLAGS), _cpu(), platform.machine()])
-    return os.path.join(cache.cache_dir(), f"dtc_c_{hashlib.sha256(key.encode()).hexdigest()[:16]}")
-
-
-def build(source: str) -> ctypes.CDLL:
-    """Compile ``source`` to a shared library in the compile cache unless it is there, and
-    load it. A cached library is loaded only if its bytes match the SHA-256 kept beside it
-    (``.so.sha256``, written after the library): a truncated, corrupt or foreign one is
-    rebuilt."""
-    cc = _compiler()
-    path = _library_stem(source, cc)
-    lib = path + ".so"
-    loaded = _LOADED.get(lib)
-    if loaded is not None:
-        return loaded
-    opened = _open_checked(lib)
-    if opened is None:
-        # Every file this process writes is its own until renamed into place (atomically):
-        # ranks building the same library at once never read each other's half-written files.
-        # All compile the one path.c (the same bytes, replaced atomically): the library
-        # records its source's file name, so builders' libraries, and digests, are identical.
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            cache.write_atomic(tmp + ".c", source.encode())
-            os.replace(tmp + ".c", path + ".c")  # kept for the error's line numbers too
-            try:
-                done = subprocess.run([cc, *FLAGS, "-o", tmp + ".so", path + ".c", "-lm"],
-                                      capture_output=True, text=True)
-            except OSError as e:
-                raise CompilerNotFound(f"dtensor.compile(backend='c'): cannot run the C "
-                                       f"compiler {cc!r} ({e}); set $CC to one, or use "
-                                       f"backend='numpy'.")
-            if done.returncode:
-                raise RuntimeError(f"dtensor.compile(backend='c'): {cc} failed on {path}.c:\n"
-                                   f"{done.stderr[-4000:]}")
-            with open(tmp + ".so", "rb") as f:
-                digest = _digest(f.read())
-            os.replace(tmp + ".so", lib)
-            cache.write_atomic(lib + ".sha256", digest)
-        finally:
-            for leftover in (tmp + ".c", tmp + ".so"):
-                if os.path.exists(leftover):
-                    os.unlink(leftover)
-        opened = _open_checked(lib)
-        if opened is None:
-            raise cache.CacheDirError(f"dtensor.compile(backend='c'): the library just built "
-                                      f"at {lib} changed before it could be loaded; check who "
-                                      f"else writes to {os.path.dirname(lib)}.")
-    # Loaded through the descriptor the bytes were checked from: a name swapped after the
-    # check cannot change what runs. The descriptor stays open for the process's life, as the
-    # library does: dlopen knows a library by the name it was given, and a closed descriptor's
-    # number (hence /proc/self/fd/N) would be reused for the next one.
-    proc = f"/proc/self/fd/{opened}"
-    if os.path.exists(proc):
-        _LOADED[lib] = ctypes.CDLL(proc)
-    else:  # no /proc (not Linux): by name, right after the check
-        os.close(opened)
-        _LOADED[lib] = ctypes.CDLL(lib)
-    return _LOADED[lib]
-
-
-_LOADED: dict[str, ctypes.CDLL] = {}
-
-
-def _open_checked(lib: str) -> int | None:
-    """A descriptor on ``lib`` if it is a private regular file whose bytes match the SHA-256
-    kept beside it, else None (closed)."""
-    so = cache.open_private(lib)
-    if so is None:
-        return None
-    fd, data = so
-    digest = cache.open_private(lib + ".sha256")
-    if digest is not None:
-        os.close(digest[0])
-    if digest is None or digest[1] != _digest(data):
-        os.close(fd)
-        return None
-    return fd
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.sha256(data).hexdigest().encode()
-
-
-# ----------------------------------------------------------------------------- threads
-
-
-def num_threads() -> int:
-    """Threads a kernel's rows are split over: DTENSOR_NUM_THREADS, else the BLAS / OpenMP
-    thread count the environment sets (dtlaunch sets it to cores / local ranks), else the
-    cores this process may use."""
-    for var in ("DTENSOR_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
-            return int(os.environ[var])
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-# Splitting pays once a kernel runs for well over the ~0.1 ms it takes to wake a waiting
-# thread, longer right after a GEMM, whose BLAS workers still spin on the other cores. Measured
-# in the standard step at 1 rank on 2 cores: the 1 MB adds, multiplies and layer norms (~0.8M
-# elements touched) ran 1.5-1.7x faster unsplit (the step's 5 ms); GELU (2M) still gains.
-_SPLIT_ELEMENTS = 1 << 20
-
-
-class _Pool:
-    """Workers for a kernel's row ranges; the caller runs the first range itself. Each call
-    brings its own completion queue, so callers on several threads at once each wait for
-    exactly their own ranges."""
-
-    def __init__(self, n: int):
-        self.inbox = [queue.SimpleQueue() for _ in range(n - 1)]
-        for i, q in enumerate(self.inbox):
-            threading.Thread(target=self._work, args=(q,), daemon=True,
-                             name=f"dtensor-c-{i}").start()
-
-    @staticmethod
-    def _work(inbox) -> None:
-        while True:
-            fn, args, done = inbox.get()
-            try:
-                fn(*args)
-                done.put(None)
-            except BaseException as e:  # re-raised by the caller
-                done.put(e)
-
-    def run(self, fn, calls: list) -> None:
-        """fn(*args) for every args in ``calls``, at once."""
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        for q, args in zip(self.inbox, calls[1:]):
-            q.put((fn, args, done))
-        error = None
-        try:
-            fn(*calls[0])
-        finally:  # always collect the workers: they write into the caller's arrays
-            for _ in calls[1:]:
-                error = done.get() or error
-        if error is not None:
-            raise error
-
-
-_pools: dict = {}
-_pools_lock = threading.Lock()
-# A forked child has none of the parent's threads: it starts its own pools.
-os.register_at_fork(after_in_child=_pools.clear)
-
-
-def _parallel(fn, calls: list) -> None:
-    if len(calls) == 1:
-        fn(*calls[0])
-        return
-    with _pools_lock:
-        pool = _pools.get(len(calls))
-        if pool is None:
-            pool = _pools[len(calls)] = _Pool(len(calls))
-    pool.run(fn, calls)
-
-
-def _cuts(rows: int, work: int) -> list:
-    """Row ranges, one a thread, when ``work`` (elements touched) is worth splitting."""
-    n = min(num_threads(), rows) if work >= _SPLIT_ELEMENTS else 1
-    cuts = [rows * k // n for k in range(n + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def _run_rows(fn, head: tuple, rows: int, work: int, tail: tuple = ()) -> None:
-    """fn(*head, r0, r1, *tail) over rows [0, rows), split over threads if worth it."""
-    _parallel(fn, [head + r + tail for r in _cuts(rows, work)])
-
+    body = [f"{ctype} {name} = {expr};" for name, expr in lines]
+    body += [f"mo[i] = {mo};", f"vo[i] = {vo};", f"po[i] = {po};"]
+    return (f"#define T {ctype}\n#define DT_S {_SUFFIX[ctype]}\n#define DT_ADAMW_BODY \\\n    "
+            + " \\\n    ".join(body) + "\n" + _source("c_typed.c")
+            + "#undef T\n#undef DT_S\n#undef DT_ADAMW_BODY\n")
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -937,7 +284,7 @@ class _Kernel(kernels.Kernel):
         return out
 
     def launch(self, arrays, out, keys):
-        _run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.R,
+        run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.R,
                   self.R * self.C * (len(arrays) + 1), tuple(keys[k] for k in self.keys))
 
 
@@ -951,10 +298,11 @@ class _IndexAdd(kernels.IndexAdd):
 
     def __call__(self, g, idx, like, out=None):
         (g, flat), out = self.rows_of(g, idx), self.alloc(out)
-        n = min(num_threads(), -(-self.C // 8)) if flat.size * self.C >= _SPLIT_ELEMENTS else 1
-        cuts = [self.C * k // n // 8 * 8 for k in range(n)] + [self.C]  # whole vectors
+        split = flat.size * self.C >= native.SPLIT_ELEMENTS
+        n = min(num_threads(), -(-self.C // 8)) if split else 1
+        cols = [self.C * k // n // 8 * 8 for k in range(n)] + [self.C]  # whole vectors
         head = (_ptr(g), _ptr(flat), _ptr(out), flat.size, self.off, self.rows, self.C)
-        _parallel(self.fn, [head + (a, b) for a, b in zip(cuts[:-1], cuts[1:])])
+        parallel(self.fn, [head + (a, b) for a, b in zip(cols[:-1], cols[1:])])
         return out
 
 
@@ -1021,9 +369,9 @@ class _Attention(kernels.Attention):
         off, rs = self._table(arrays, out)
         head = tuple(_ptr(a) for a in arrays) + (_ptr(out), _ptr(off), _ptr(rs))
         tail = (self.H, self.L, self.E, self.scale, int(self.causal))
-        cuts = _cuts(self.H, self.H * self.L * self.L * self.E)  # (L^2 E a head)
-        _parallel(self.fn, [head + (room,) + r + tail
-                            for room, r in zip(self._scratch(len(cuts)), cuts)])
+        heads = cuts(self.H, self.H * self.L * self.L * self.E)  # (L^2 E a head)
+        parallel(self.fn, [head + (room,) + r + tail
+                           for room, r in zip(self._scratch(len(heads)), heads)])
         return out
 
 
@@ -1038,7 +386,7 @@ class _AdamWGroup(kernels.Named):
         self.dtype = np.dtype(dtype)
         self.name = f"adamw_group_{_SUFFIX[_CTYPE[self.dtype]]}"
         self.argtypes = [_P] * 5 + [_I] * 3
-        n = num_threads() if self.total >= _SPLIT_ELEMENTS else 1
+        n = num_threads() if self.total >= native.SPLIT_ELEMENTS else 1
         cum = np.cumsum(self.sizes)  # cut where the running size passes k / n of the total
         cuts = [0] + [int(np.searchsorted(cum, self.total * k / n)) + 1 for k in range(1, n)]
         cuts = sorted(set(min(c, len(self.sizes)) for c in cuts + [len(self.sizes)]))
@@ -1055,7 +403,7 @@ class _AdamWGroup(kernels.Named):
         out = update_target(arrays, self.sizes, in_place, tab) if out is None else out
         head = (_ptr(tab), _ptr(self.sizes), _ptr(self.offsets), _ptr(hps), _ptr(out),
                 self.total)
-        _parallel(self.fn, [head + r for r in self.ranges])
+        parallel(self.fn, [head + r for r in self.ranges])
         return out
 
 
@@ -1094,4 +442,4 @@ def lower_graph(graph: Graph) -> list:
     return found
 
 
-PRELUDE = _COMMON + _typed("float") + _typed("double")  # (its spellings are defined above)
+PRELUDE = _source("c_prelude.c") + _typed("float") + _typed("double")

@@ -12,7 +12,7 @@ from test_compile import full
 import dtensor
 import dtensor.nn.functional as F
 from dtensor.comm import count_collectives
-from dtensor.compile.c_backend import _cuts
+from dtensor.compile.native import cuts
 from dtensor.nn import GPT, GPTConfig, Llama, LlamaConfig
 
 GPT_CFG = dict(vocab_size=64, n_layer=2, n_embd=32, n_head=4, mlp_hidden=64, block_size=16)
@@ -132,7 +132,7 @@ def test_c_kernel_split_over_threads_equals_one_thread(dtype, monkeypatch):
     runs = {}
     for threads in ("1", "2"):  # 2 x 6 heads of 67^2 x 20: past the kernels' split threshold
         monkeypatch.setenv("DTENSOR_NUM_THREADS", threads)
-        assert len(_cuts(12, 12 * 67 * 67 * 20)) == int(threads)  # heads split this many ways
+        assert len(cuts(12, 12 * 67 * 67 * 20)) == int(threads)  # heads split this many ways
         run = dtensor.compile(step, backend="c")
         runs[threads] = [t.numpy() for t in run(*map(dtensor.Tensor, (q, k, v)))]
         assert {"attention", "attention_backward"} <= {

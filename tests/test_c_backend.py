@@ -9,7 +9,7 @@ import pytest
 
 import dtensor
 import dtensor.nn.functional as F
-from dtensor.compile import c_backend
+from dtensor.compile import c_backend, native
 from dtensor.ops import nn as nnops
 
 
@@ -200,7 +200,7 @@ def test_layer_norm_backward_takes_the_weight_in_its_kernel(dtype, rtol):
 def test_threads_split_rows_without_changing_a_bit(monkeypatch):
     """A kernel's rows (or an embedding gradient's columns) split over 1, 2 or 3 threads
     (ranges of unequal length): the same bits, since every row (column) is computed alone."""
-    monkeypatch.setattr(c_backend, "_SPLIT_ELEMENTS", 1 << 14)  # every kernel here splits
+    monkeypatch.setattr(native, "SPLIT_ELEMENTS", 1 << 14)  # every kernel here splits
     rng = np.random.default_rng(2)
     x = rng.standard_normal((600, 700)).astype(np.float32)
     w, ln_w = (rng.standard_normal(s).astype(np.float32) for s in ((300, 700), (700,)))
@@ -216,7 +216,7 @@ def test_threads_split_rows_without_changing_a_bit(monkeypatch):
     outs = []
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("DTENSOR_NUM_THREADS", threads)
-        assert c_backend.num_threads() == int(threads)
+        assert native.num_threads() == int(threads)
         got, kernels = compiled(f, x, w, ln_w)
         assert {"index_add", "normalize_backward"} <= ops_in(kernels)
         outs.append(got)
@@ -344,7 +344,7 @@ def test_kernels_split_from_several_threads_at_once(monkeypatch):
         done.setdefault(caller, []).append(lo)
 
     def call(caller):
-        c_backend._parallel(part, [(caller, 0, 1), (caller, 1, 2)])
+        native.parallel(part, [(caller, 0, 1), (caller, 1, 2)])
         if sorted(done[caller]) != [0, 1]:  # both ranges must have run before the return
             early.append(caller)  # (an assert here would only print, on its own thread)
 
@@ -362,7 +362,7 @@ def test_ranks_building_one_library_at_once(monkeypatch, tmp_path):
     source = c_backend.PRELUDE + "".join(f"int f{k}(void) {{ return {k}; }}\n"
                                          for k in range(2000))
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        libs = list(pool.map(lambda _: c_backend.build(source), range(6)))
+        libs = list(pool.map(lambda _: native.build(source), range(6)))
     assert all(lib.f1999() == 1999 for lib in libs)
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".c", ".sha256", ".so"]
 
@@ -378,23 +378,23 @@ def test_cross_entropy_target_out_of_range_is_an_index_error():
 def test_library_is_built_once_and_loaded_from_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("DTENSOR_COMPILE_CACHE", str(tmp_path))
     source = c_backend.PRELUDE + "int dt_answer(void) { return 42; }\n"
-    assert c_backend.build(source).dt_answer() == 42
-    monkeypatch.setattr(c_backend.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt"))
-    assert c_backend.build(source).dt_answer() == 42
+    assert native.build(source).dt_answer() == 42
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: pytest.fail("rebuilt"))
+    assert native.build(source).dt_answer() == 42
     assert len(list(tmp_path.glob("dtc_c_*.so"))) == 1
 
 
 def test_compiler_errors_are_clear(monkeypatch, tmp_path):
     monkeypatch.setenv("DTENSOR_COMPILE_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="failed on .*dtc_c_.*\\.c"):
-        c_backend.build("this is not C;\n")
+        native.build("this is not C;\n")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with pytest.raises(c_backend.CompilerNotFound, match="no-such-cc.*set \\$CC"):
-        c_backend.build("int y;\n")
+    with pytest.raises(native.CompilerNotFound, match="no-such-cc.*set \\$CC"):
+        native.build("int y;\n")
     monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(c_backend.shutil, "which", lambda name: None)
-    with pytest.raises(c_backend.CompilerNotFound, match="backend='numpy'"):
-        c_backend.build("int x;\n")
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(native.CompilerNotFound, match="backend='numpy'"):
+        native.build("int x;\n")
 
 
 def test_unknown_backend_names_the_choices():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dtensor
-from dtensor.compile import c_backend, cache, numpy_backend
+from dtensor.compile import c_backend, cache, native, numpy_backend
 
 OTHER_UID = 12345  # tests run as root: chown can hand a folder to another user
 
@@ -161,21 +161,21 @@ def test_a_corrupt_cached_library_is_rebuilt(monkeypatch, tmp_path, name, corrup
     monkeypatch.setenv(cache.ENV, str(tmp_path))
     answer = 40 + len(name)
     source = c_backend.PRELUDE + f"int dt_answer(void) {{ return {answer}; }}\n"
-    stem = c_backend._library_stem(source, c_backend._compiler())
+    stem = native._library_stem(source, native._compiler())
     other = tmp_path / "other"  # a real library of the same source, built elsewhere
     monkeypatch.setenv(cache.ENV, str(other))
-    c_backend.build(source)
-    with open(c_backend._library_stem(source, c_backend._compiler()) + ".so", "rb") as f:
+    native.build(source)
+    with open(native._library_stem(source, native._compiler()) + ".so", "rb") as f:
         good = f.read()
     monkeypatch.setenv(cache.ENV, str(tmp_path))
     with open(stem + ".so", "wb") as f:
         f.write(good if corrupt is None else corrupt(good))
     if corrupt is not None:
         with open(stem + ".so.sha256", "wb") as f:
-            f.write(c_backend._digest(good))
-    assert c_backend.build(source).dt_answer() == answer
+            f.write(native._digest(good))
+    assert native.build(source).dt_answer() == answer
     with open(stem + ".so", "rb") as so, open(stem + ".so.sha256", "rb") as digest:
-        assert c_backend._digest(so.read()) == digest.read()
+        assert native._digest(so.read()) == digest.read()
 
 
 def _parent_foreign_0777(base):
@@ -270,7 +270,7 @@ def _planted_library(tmp_path, marker):
     src = tmp_path / "evil.c"
     src.write_text('#include <stdio.h>\n__attribute__((constructor)) static void p(void)'
                    f'{{FILE*f=fopen("{marker}","w");fputs("ran",f);fclose(f);}}\n')
-    subprocess.run([c_backend._compiler(), "-shared", "-fPIC", "-o", str(tmp_path / "evil.so"),
+    subprocess.run([native._compiler(), "-shared", "-fPIC", "-o", str(tmp_path / "evil.so"),
                     str(src)], check=True)
     return (tmp_path / "evil.so").read_bytes()
 
@@ -290,7 +290,7 @@ def test_a_planted_library_with_a_matching_digest_never_loads(monkeypatch, tmp_p
     monkeypatch.setenv(cache.ENV, str(tmp_path / "cache"))
     answer = 50 + len(name)
     source = c_backend.PRELUDE + f"int dt_answer(void) {{ return {answer}; }}\n"
-    lib = c_backend._library_stem(source, c_backend._compiler()) + ".so"
+    lib = native._library_stem(source, native._compiler()) + ".so"
     if spoil is None:
         (tmp_path / "elsewhere.so").write_bytes(evil)
         os.symlink(tmp_path / "elsewhere.so", lib)
@@ -299,6 +299,6 @@ def test_a_planted_library_with_a_matching_digest_never_loads(monkeypatch, tmp_p
             f.write(evil)
         spoil(lib)
     with open(lib + ".sha256", "wb") as f:
-        f.write(c_backend._digest(evil))
-    assert c_backend.build(source).dt_answer() == answer
+        f.write(native._digest(evil))
+    assert native.build(source).dt_answer() == answer
     assert not marker.exists()

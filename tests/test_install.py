@@ -9,6 +9,7 @@ fresh venv and imports every module (.ci/run); this test catches the drift in th
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 from pathlib import Path
 
@@ -51,11 +52,14 @@ def test_every_package_folder_is_listed_in_pyproject():
                        "__init__.py; remove them from [tool.setuptools] packages")
 
 
-def test_package_folders_hold_only_python_modules():
-    # A wheel carries only the .py files of listed packages (no package-data is declared), so a
-    # template, C source or data file read at run time would be missing after `pip install .`.
-    others = sorted(str(path.relative_to(ROOT)) for folder in _source_packages().values()
+def test_package_folders_hold_only_python_modules_and_declared_data():
+    # A wheel carries the .py files of listed packages and the files their package-data
+    # patterns match, so a template, C source or data file read at run time that no pattern
+    # declares would be missing after `pip install .`.
+    declared = _setuptools_config().get("package-data", {})
+    others = sorted(str(path.relative_to(ROOT)) for name, folder in _source_packages().items()
                     for path in folder.iterdir()
-                    if path.is_file() and path.suffix not in (".py", ".pyc"))
+                    if path.is_file() and path.suffix not in (".py", ".pyc")
+                    and not any(fnmatch.fnmatch(path.name, pat) for pat in declared.get(name, ())))
     assert not others, (f"{others} would not be installed by `pip install .`: declare them as "
-                        "[tool.setuptools.package-data] in pyproject.toml (and extend this test)")
+                        "[tool.setuptools.package-data] in pyproject.toml")

@@ -197,6 +197,8 @@ os.register_at_fork(after_in_child=_pools.clear)
 
 
 def parallel(fn, calls: list) -> None:
+    """fn(*args) for every args in ``calls``: the first on this thread, the others at once on
+    a pool's workers (one pool per number of calls, started on first use)."""
     if len(calls) == 1:
         fn(*calls[0])
         return
@@ -210,8 +212,8 @@ def parallel(fn, calls: list) -> None:
 def cuts(rows: int, work: int) -> list:
     """Row ranges, one a thread, when ``work`` (elements touched) is worth splitting."""
     n = min(num_threads(), rows) if work >= SPLIT_ELEMENTS else 1
-    cuts = [rows * k // n for k in range(n + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
+    edges = [rows * k // n for k in range(n + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def run_rows(fn, head: tuple, rows: int, work: int, tail: tuple = ()) -> None:

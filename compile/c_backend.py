@@ -218,8 +218,8 @@ class _Kernel(kernels.Kernel):
         """The value the last reduction pass stores in the output row for the final pass, or
         None: the costliest column value both passes compute that holds a transcendental
         (softmax's exp(x - max), which the final pass divides by the sum). It is a value of
-        the kernel's type, so reading it back gives the bits computing it again would: a
-        (1024, 2048) softmax, one thread, 2.51 -> 1.78 ms."""
+        the kernel's type, so reading it back gives the bits computing it again would, without
+        a second exp a column (benchmarks/kernels.py, the row softmax)."""
         if self.out_cols != self.C or self.root.prim in X.REDUCTIONS:
             return None
         later = {id(e) for e in self.needed([self.root])}
@@ -257,9 +257,9 @@ class _Kernel(kernels.Kernel):
                          f"        v{i} = ((a{i}[0] + a{i}[1]) + (a{i}[2] + a{i}[3])) + "
                          f"((a{i}[4] + a{i}[5]) + (a{i}[6] + a{i}[7]));"]
             else:
-                # a max's lanes as a plain array: its lane-by-lane fold into a vector type was
+                # a max's lanes as a plain array: its lane-by-lane fold into a vector type is
                 # left scalar (GCC 12: "unsupported use"), as an array it is one vector
-                # compare and blend (a (1024, 2048) softmax's max pass, 8 MB: ~1 ms -> 0.29 ms)
+                # compare and blend (benchmarks/kernels.py, the row softmax)
                 out.append(f"        {T} a{i}[8] = {init};")
                 steps.append(f"            for (int l = 0; l < 16; l++) "
                              f"{fold(e, f'a{i}[l % 8]', f's{i}[l]')}")

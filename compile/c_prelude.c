@@ -24,10 +24,8 @@ typedef double double_vec __attribute__((vector_size(32)));
 #define VEC(t) DT_CAT(t, vec)
 #define DT_W(t) ((int64_t)(32 / sizeof(t)))  /* lanes */
 /* Attention's query rows per block: a block's products hold 2 accumulators a row, so 8 rows
-   where the CPU has 32 vector registers (AVX-512) and 4 where it has 16. The order of every
-   sum is the same either way. Min of 200 calls, one thread, AMD EPYC (Zen 4), forward and
-   backward ms, 4 -> 8 rows: 32 heads x 128 x 32: 0.94 -> 0.73 and 1.74 -> 1.44; 24 x 256 x 64:
-   5.6 -> 4.0 and 11.8 -> 8.1 (an AVX2 build there: 8 rows 4-7% slower than 4). */
+   where the CPU has 32 vector registers (AVX-512) and 4 where it has 16, which 8 rows would
+   spill. The order of every sum is the same either way (benchmarks/attention.py). */
 #ifdef __AVX512VL__
 #define DT_R 8
 #else
@@ -61,8 +59,8 @@ static inline void dt_vstore_f32(float *p, float_vec v) { memcpy(p, &v, 32); }
 static inline void dt_vstore_f64(double *p, double_vec v) { memcpy(p, &v, 32); }
 
 /* to[e ts + j] = a[j as + e] for j, e < 8: an 8 x 8 block transposed in registers (AVX's
-   unpack, shuffle and lane-swap network). One element at a time, each row's 8 stores went to
-   8 lines ts apart: attention's per-head K^T copy took 15% of the forward kernel. */
+   unpack, shuffle and lane-swap network): one element at a time, each row's 8 stores go to
+   8 lines ts apart, and attention copies K^T once a head (benchmarks/attention.py). */
 static inline void dt_t8_f32(const float *a, int64_t as, float *to, int64_t ts) {
 #ifdef __AVX__
     __m256 r[8], t[8], u[8];
@@ -94,10 +92,9 @@ static inline void dt_t8_f64(const double *a, int64_t as, double *to, int64_t ts
 
 /* A row reduction's 8 lanes, one vector: each 8 columns' terms are computed lane by lane
    into an array, then added (or maxed) into the accumulator as one vector operation. GCC 12
-   compiled 8-lane arrays accumulated in place into shuffles and scalar adds: at 512-bit width
-   always, at 256-bit width when a pass carries two sums. Each kernel compiled on its own, min
-   of 100 calls, AMD EPYC (Zen 4), rows of 256: layer-norm backward (two sums a pass) 462 ->
-   98 us; normalize 76 -> 70 us, and no longer needs 256-bit vectors to get there. */
+   compiles 8-lane arrays accumulated in place into shuffles and scalar adds: at 512-bit width
+   always, at 256-bit width when a pass carries two sums, as layer-norm's backward does
+   (benchmarks/kernels.py). */
 typedef float float_8 __attribute__((vector_size(8 * sizeof(float))));
 typedef double double_8 __attribute__((vector_size(8 * sizeof(double))));
 
@@ -105,8 +102,8 @@ static inline float dt_exp_upto_f32(float x, float hi) {
     /* Clamped to where the scale's two factors stay normal: past 88.8 the product overflows
        to inf, below -110 it underflows to 0, and a NaN passes through the clamp and the
        arithmetic. ``hi`` INFINITY: x is known <= 0 (a softmax row less its max), and the
-       upper clamp goes (GCC 12 builds the clamps from AVX-512 masks, which Zen 4 runs slowly:
-       the attention kernels' exps 255 -> 210 us a call). */
+       upper clamp goes (GCC 12 builds the clamps from AVX-512 masks, which Zen 4 runs
+       slowly; benchmarks/attention.py). */
     float xc = x < -110.0f ? -110.0f : (x > hi ? hi : x);
     float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* round(x / ln 2) */
     float r = fmaf(n, -0.693359375f, xc);

@@ -99,7 +99,7 @@ static inline void DT_FN(dt_pad_t)(const T *a, int64_t rs, T *to, int64_t L, int
 
 /* L rows of E, rs apart -> rows of Ep, zero past E; a itself when its rows are that already.
    (Rows a power-of-two stride apart, the heads of a (T, heads, E) projection, fall in a few
-   cache sets: read in place they thrashed L1, measured slower than this copy.) */
+   cache sets: read in place they thrash L1, slower than this copy; benchmarks/attention.py.) */
 static inline const T *DT_FN(dt_pad)(const T *a, int64_t rs, T *to, int64_t L, int64_t E,
                                 int64_t Ep) {
     if (E == Ep && rs == Ep) return a;
@@ -129,11 +129,10 @@ static inline int64_t DT_FN(dt_keys)(int64_t i, int64_t n, int causal) {  /* row
 
 /* A block's DT_R rows of scores (ss apart; row r is query i0 + r's) -> exp(s - the row's max)
    over its keys, 0 from there to nv; each row's sum into total. Loops run to nv, whole vectors,
-   the keys past a row's at -inf (a scalar tail of up to 15 exps a row cost more); their exp is
-   taken of 0 and replaced by 0, since exp(-inf)'s scaling underflows, which the CPU finishes
-   slowly (forward -5%, backward -2%, same bits). The rows go side by side, 8 lanes each, so
-   their chains of latencies (max, sum) overlap; one row at a time, the rows took half the
-   forward kernel's time (side by side: forward -12%, backward -9%, same bits). */
+   the keys past a row's at -inf (a scalar tail of up to 15 exps a row costs more); their exp
+   is taken of 0 and replaced by 0, since exp(-inf)'s scaling underflows, which the CPU
+   finishes slowly. The rows go side by side, 8 lanes each, so their chains of latencies (max,
+   sum) overlap; one row at a time, those chains bound the kernel (benchmarks/attention.py). */
 static inline void DT_FN(dt_exp_rows)(T *s, int64_t ss, int64_t i0, int64_t n, int causal,
                                  int64_t nv, T *total) {
     T mx[DT_R][8], acc[DT_R][8], m[DT_R];
@@ -264,8 +263,7 @@ DT_ADAMW_BODY
    rounded to T first, as numpy rounds a Python float against a T array.
    The three results go out with non-temporal stores where the rows line up on 32 bytes: they
    are not read again this step, and a plain store first reads each line of out from memory
-   (measured, the standard workload's 5.28M float parameters on one thread: 15-18 -> 12-13
-   ms). */
+   (benchmarks/gpt_step.py). */
 void DT_FN(adamw_group)(const int64_t *tab, const int64_t *sizes, const int64_t *offsets,
                    const double *hp, T *out, int64_t total, int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; q++) {

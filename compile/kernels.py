@@ -33,8 +33,8 @@ _ADDRESS, _BYTES = ctypes.addressof, ctypes.c_char.from_buffer
 
 def address(a: np.ndarray) -> int:
     """The address of ``a``'s first byte. Through the buffer protocol where ``a`` allows it (C
-    contiguous, writable, not empty): 0.2 us against ``a.ctypes.data``'s 1.8, and a standard
-    TP=2 step takes ~650 addresses (its C kernels' arguments, the AdamW group's tables)."""
+    contiguous, writable, not empty): several times cheaper than ``a.ctypes.data``, and a
+    step takes hundreds (its C kernels' arguments, the AdamW group's tables)."""
     try:
         return _ADDRESS(_BYTES(a))
     except (TypeError, ValueError):  # read-only, strided or empty
@@ -64,8 +64,8 @@ def _layout(shape, dtype, lead: tuple, C: int) -> Layout:
 
 def _last_dim_sum(n: Node) -> bool:
     """A sum of whole rows over their last dim, kept or not (a (..., 1) or (...) result): a
-    row kernel of its own (numpy's pairwise sums along contiguous rows ran slower:
-    cross-entropy's sum over a (1024, 2048) block of exps, 355 us against ~140). Not a max:
+    row kernel of its own (numpy's pairwise sums along contiguous rows run slower, as
+    cross-entropy's over its block of exps; benchmarks/gpt_step.py). Not a max:
     numpy's propagates a NaN, a kernel's row max (in a softmax, whose exp gives the NaN
     back) skips it."""
     x = n.inputs[0] if n.inputs else None

@@ -147,10 +147,10 @@ def num_threads() -> int:
         return os.cpu_count() or 1
 
 
-# Splitting pays once a kernel runs for well over the ~0.1 ms it takes to wake a waiting
-# thread, longer right after a GEMM, whose BLAS workers still spin on the other cores. Measured
-# in the standard step at 1 rank on 2 cores: the 1 MB adds, multiplies and layer norms (~0.8M
-# elements touched) ran 1.5-1.7x faster unsplit (the step's 5 ms); GELU (2M) still gains.
+# Splitting pays once a kernel runs for well over the time it takes to wake a waiting thread,
+# longer right after a GEMM, whose BLAS workers still spin on the other cores: the standard
+# step's 1 MB adds and layer norms run faster unsplit, its GELU split (benchmarks/gpt_step.py
+# at 1 rank).
 SPLIT_ELEMENTS = 1 << 20
 
 

@@ -124,8 +124,8 @@ def generate(graph: Graph, name: str, kernels: dict) -> tuple[str, dict]:
             args.append(f"out=B[{n.buffer}]")
         view = _VIEWS.get(n.name) if n.kind == "op" and n.variant == "impl" else None
         if view is not None and n.id not in kernels and not slots and n.buffer is None:
-            # a view, spelled as numpy's method: ~0.2 us against ~1 us through the impl's
-            # keywords, and a step holds hundreds (the profiler's table skips these calls)
+            # a view, spelled as numpy's method: cheaper than through the impl's keywords,
+            # and a step holds hundreds (the profiler's table skips these calls)
             call = f"{ref(n.inputs[0])}{view[0]}{const(view[1](fixed))}{view[2]}"
         else:
             call = f"F[{len(tables['F']) - 1}]({', '.join(args)})"

@@ -21,7 +21,7 @@ def _keep_freed_memory() -> None:
 
     Every eager op allocates its output; by default glibc serves blocks over 128 KiB-32 MiB with
     fresh mmaps and unmaps them on free, so each step page-faults its activations back in
-    (~2,600 faults and ~40 ms of system time per standard-workload step, measured). Raising the
+    (benchmarks/gpt_step.py, eager, with DTENSOR_MALLOC_TUNING=0). Raising the
     mmap and trim thresholds makes freed activations reusable, as a caching allocator would.
     DTENSOR_MALLOC_TUNING=0 turns it off.
     """

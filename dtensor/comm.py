@@ -183,10 +183,9 @@ def _ready(x) -> bool:
     """Whether ``x`` goes to MPI as it is: a C-contiguous ndarray of a supported builtin dtype.
 
     The collectives' Python runs right after the previous large collective's copies have
-    flushed the CPU caches. Their path takes ~1.5 us with warm caches but 10-30 us there,
-    where every distinct numpy attribute read or helper call misses (it cost a 4 MB all_gather
-    at 2 ranks 3-5%; benchmarks/collectives.py). So the common case reads as few as it can:
-    dtype identity, one flags read, each array's shape once.
+    flushed the CPU caches, where every distinct numpy attribute read or helper call misses
+    (benchmarks/collectives.py, a 4 MB all_gather at 2 ranks). So the common case reads as
+    few as it can: dtype identity, one flags read, each array's shape once.
     """
     return type(x) is np.ndarray and id(x.dtype) in _DTYPE_IDS and x.flags.c_contiguous
 
@@ -214,12 +213,12 @@ class _Results:
 
     A fresh ``np.empty`` per call costs a page fault per 4 KiB page whenever the allocator has
     given the memory back to the OS, which glibc does after MPI's own large temporaries come and
-    go (measured: a 4 MB all_reduce at 4 ranks, 21 ms into a fresh array against 9 ms into a
-    reused one). This keeps the last few results of each shape and dtype, as PyTorch's caching
-    allocator does, and reuses one only when no other object references it (a view of it holds
-    a reference through ``.base``, an in-flight ``Work`` through its closure). Arrays that only
-    the cache holds take at most ``_BYTES`` (checked when a new array is made, so the latest
-    result comes on top); arrays still in use are not counted: they would exist anyway.
+    go (benchmarks/collectives.py, ``ratio`` against ``ratio_out``). This keeps the last few
+    results of each shape and dtype, as PyTorch's caching allocator does, and reuses one only
+    when no other object references it (a view of it holds a reference through ``.base``, an
+    in-flight ``Work`` through its closure). Arrays that only the cache holds take at most
+    ``_BYTES`` (checked when a new array is made, so the latest result comes on top); arrays
+    still in use are not counted: they would exist anyway.
     """
 
     _PER_KEY = 2

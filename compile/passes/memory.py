@@ -96,12 +96,10 @@ _PAGE = 4096
 
 
 def arena_buffers(graph: Graph) -> list[np.ndarray]:
-    """The plan's buffers, in an arena allocated to start on a page. numpy's allocation is
-    only 16-byte aligned (malloc's): here arenas started 48 bytes past a cache line, and so did
-    every buffer, its vectors straddling two lines. The standard TP=2 C step, its arena on a
-    page against the same graph's arena 48 bytes past a line, swapped each step at run time:
-    per-pair medians 0.9886, 0.9837, 0.989, 0.9856, 0.9765, 0.9932; swapping two arenas at one
-    offset (an A/A): 1.0079, 0.9821, 1.0003, 0.9966, 1.0, 0.9839."""
+    """The plan's buffers, in an arena allocated to start on a page, so that every buffer
+    (at a multiple of 64 bytes in it) starts on a cache line: numpy's allocation is only
+    16-byte aligned (malloc's), and a buffer off a line has every vector straddle two
+    (benchmarks/gpt_step.py)."""
     raw = np.empty(graph.arena_bytes + _PAGE, np.uint8)
     start = -raw.__array_interface__["data"][0] % _PAGE
     arena = raw[start:start + graph.arena_bytes]
@@ -145,14 +143,11 @@ class _Arena:
 
 def _donate_to_collectives(graph: Graph) -> None:
     """A planned buffer whose only reader is an all-reduce (through views) is given to it: it
-    then reduces in place, skipping MPI's copy of the input into a separate result (0.67 ->
-    0.48 ms for 1 MB at 2 ranks). The result keeps the buffer, whose lifetime the plan already
-    extends over the collective's result (see ``root`` above).
-
-    (The producer writing straight into the all-reduce's shared slot instead, which saves the
-    copy into it, was tried and removed: the standard TP=2 step, toggled at run time in one
-    process, did not change (per-pair medians 1.0007, 1.0067, 1.0006); the GEMM then writes
-    the lines the peer read last and pays for them what the copy did.)"""
+    then reduces in place, with no copy of the input into a separate result
+    (benchmarks/collectives.py). The result keeps the buffer, whose lifetime the plan already
+    extends over the collective's result (see ``root`` above). The producer does not write
+    straight into the all-reduce's shared slot: the GEMM would then write the lines the peer
+    read last, and pay for them what the copy into the slot does."""
     users = graph.users()
     for n in graph.nodes:
         a = n.inputs[0] if n.kind == "comm" and n.name == "all_reduce" else None

@@ -4,20 +4,17 @@ numpy runs one ufunc at a time over whole arrays: a fused expression of k ufuncs
 operand through memory k times. Calling the kernel on blocks of about a MiB keeps its
 temporaries in cache, so only the inputs and the output travel to memory once.
 
-Blocks run on the calling thread. Splitting them over a second thread was measured slower on the
-benchmark machine (2 cores): between GEMMs, OpenBLAS's worker threads spin on the other core,
-and per-ufunc overhead holds the GIL. A pool of dtensor's own (OpenBLAS set to one thread, GEMMs
-and row ranges split over two threads) was no faster either: handing work to a waiting thread
-costs ~125 us there (a futex wake and a GIL hand-off each way), as much as the split saves.
+Blocks run on the calling thread: a second thread does not pay here, since handing it work
+costs a futex wake and a GIL hand-off each way, between GEMMs OpenBLAS's workers spin on the
+other cores, and per-ufunc overhead holds the GIL (benchmarks/gpt_step.py, eager).
 """
 from __future__ import annotations
 
 import numpy as np
 
 # 1 MiB per operand block: a kernel's few temporaries stay in L3, not L2, but every block costs
-# each of its ufuncs' overhead (1.5-3 us), and that weighs more here. The standard workload's
-# eager step, paired A/B runs: 512 KiB blocks 2-4% faster than 256 KiB, 1 MiB another ~1%,
-# 2 MiB no better.
+# each of its ufuncs' overhead, which smaller blocks pay more often (benchmarks/gpt_step.py,
+# eager).
 _BLOCK_BYTES = 1 << 20
 
 

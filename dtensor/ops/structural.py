@@ -370,8 +370,8 @@ def in_block(idx, off: int, n: int):
     What an index outside the block contributes to the Partial result is exactly zero, set
     with np.where or by zeroing rows, never by multiplying with the mask: the stand-in entry 0
     may hold an inf or NaN (0 x inf is NaN), which the sum over ranks would spread to results
-    the single-process op computes finite. (Zeroing rows is also ~3x faster than a
-    broadcast bool multiply: 1024 lookups of 256 floats, 177 -> 53 us.)"""
+    the single-process op computes finite. (Zeroing rows also writes only the rows outside,
+    where a broadcast bool multiply reads and writes them all.)"""
     rel = idx - off
     hit = (rel >= 0) & (rel < n)
     return np.where(hit, rel, 0), hit
@@ -409,9 +409,9 @@ def index_add_rows(g, idx, num):
     sorted_idx = flat[order]
     starts = np.flatnonzero(np.r_[True, sorted_idx[1:] != sorted_idx[:-1]])
     counts = np.diff(np.r_[starts, flat.size])
-    # np.add.reduceat pays ~3 us a run (it loops over the columns for each), so it sums only
-    # the indices that repeat; a row whose index occurs once is copied (the standard workload's
-    # token embedding: ~900 of 1024 rows, 3.5 -> 0.75 ms).
+    # np.add.reduceat pays a loop over the columns for each run, so it sums only the indices
+    # that repeat; a row whose index occurs once is copied (most of a token embedding's rows;
+    # benchmarks/gpt_step.py).
     once = counts == 1
     out[sorted_idx[starts[once]]] = rows[order[starts[once]]]
     if not once.all():

@@ -3,13 +3,15 @@ BLAS and, compiled, the C softmax kernels) and as "flash" (the attention op: one
 way that never writes the (L, L) scores whole, the backward recomputing them), eager and compiled
 with backend="c", in one process.
 
-    python benchmarks/attention.py [--threads 1] [--runs 7]
+    python benchmarks/attention.py [--threads 1] [--runs 7] [--cold]
 
 Prints one JSON line per shape (batch, heads, L, E): the median seconds of each path over
 --runs calls after two warm-up calls, and flash / math for eager and for compiled C, measured
 in the same run. Shapes: this repository's standard workload at tensor-parallel 2 (8 x 4 heads
 x 128 x 32), GPT-2 small's at tensor-parallel 2 (4 x 6 x 256 x 64), and one long sequence
-(1 x 2 x 1024 x 64).
+(1 x 2 x 1024 x 64). ``--cold`` writes over 64 MiB before each call, so that its inputs come
+from memory, as a training step's do (the projections that made them were two or more GEMMs
+earlier).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--cold", action="store_true", help="evict the caches before each call")
     args = ap.parse_args()
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "DTENSOR_NUM_THREADS"):
         os.environ[var] = str(args.threads)
@@ -33,6 +36,8 @@ def main():
 
     import dtensor
     import dtensor.nn.functional as F
+
+    flush = np.zeros(64 << 20, np.uint8) if args.cold else None
 
     for B, H, L, E in SHAPES:
         rng = np.random.default_rng(0)
@@ -51,6 +56,8 @@ def main():
                 times = []
                 for i in range(args.runs + 2):
                     inputs = [dtensor.Tensor(a) for a in (q, k, v)]
+                    if flush is not None:
+                        flush += 1
                     t0 = time.perf_counter()
                     fn(*inputs)
                     if i >= 2:

@@ -7,7 +7,7 @@
    off..off+rows), in order of i (numpy's reduceat associates a row's terms pairwise: the
    sums agree to rounding). Threads split the columns [c0, c1). */
 void DT_FN(index_add)(const T *g, const int64_t *idx, T *out, int64_t n, int64_t off, int64_t rows,
-                 int64_t C, int64_t c0, int64_t c1) {
+                      int64_t C, int64_t c0, int64_t c1) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = c0; c < c1; c++) out[r * C + c] = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -33,7 +33,7 @@ void DT_FN(index_add)(const T *g, const int64_t *idx, T *out, int64_t n, int64_t
    of vector pairs (rows of o os apart): the scores (a = q's rows, b = K^T) and the products of
    p with V or of ds with K (a = p's rows, b = V), 2 vectors of accumulators a row in registers. */
 static inline void DT_FN(dt_rows_product)(const T *a, int64_t as, const T *b, int64_t bs, T *o,
-                                     int64_t os, int64_t K, int64_t C) {
+                                          int64_t os, int64_t K, int64_t C) {
     const int64_t W = DT_W(T);
     for (int64_t c = 0; c < C; c += 2 * W) {
         VEC(T) acc[DT_R][2];
@@ -54,7 +54,7 @@ static inline void DT_FN(dt_rows_product)(const T *a, int64_t as, const T *b, in
 }
 
 static inline void DT_FN(dt_rows_scatter)(const T *p, const T *x, T *acc, int64_t n, int64_t Lp,
-                                     int64_t Ep) {  /* acc[j][:] += sum_r p[r][j] x[r][:] */
+                                          int64_t Ep) {  /* acc[j][:] += sum_r p[r][j] x[r][:] */
     const int64_t W = DT_W(T);
     for (int64_t c = 0; c < Ep; c += 2 * W) {
         VEC(T) xv[DT_R][2];
@@ -87,7 +87,7 @@ static inline T DT_FN(dt_dot)(const T *a, const T *b, int64_t n) {  /* in 8 lane
 }
 
 static inline void DT_FN(dt_pad_t)(const T *a, int64_t rs, T *to, int64_t L, int64_t E,
-                              int64_t Lp) {  /* L rows of E -> (E, Lp), zero past L */
+                                   int64_t Lp) {  /* L rows of E -> (E, Lp), zero past L */
     const int64_t L8 = L / 8 * 8, E8 = E / 8 * 8;
     for (int64_t j = 0; j < L8; j += 8)  /* 8 rows at a time, each read once */
         for (int64_t e = 0; e < E8; e += 8) DT_FN(dt_t8)(a + j * rs + e, rs, to + e * Lp + j, Lp);
@@ -101,7 +101,7 @@ static inline void DT_FN(dt_pad_t)(const T *a, int64_t rs, T *to, int64_t L, int
    (Rows a power-of-two stride apart, the heads of a (T, heads, E) projection, fall in a few
    cache sets: read in place they thrash L1, slower than this copy; benchmarks/attention.py.) */
 static inline const T *DT_FN(dt_pad)(const T *a, int64_t rs, T *to, int64_t L, int64_t E,
-                                int64_t Ep) {
+                                     int64_t Ep) {
     if (E == Ep && rs == Ep) return a;
     for (int64_t j = 0; j < L; j++) {
         memcpy(to + j * Ep, a + j * rs, sizeof(T) * E);
@@ -114,8 +114,8 @@ static inline const T *DT_FN(dt_pad)(const T *a, int64_t rs, T *to, int64_t L, i
    of E) and xp (DT_R rows of Ep). Returns the keys the block reads: up to its last row if
    causal. */
 static inline int64_t DT_FN(dt_block_rows)(const T *a, int64_t rs, T *x, T *xp, int64_t i0,
-                                      int64_t nr, int64_t L, int64_t E, int64_t Ep, T scale,
-                                      int causal) {
+                                           int64_t nr, int64_t L, int64_t E, int64_t Ep, T scale,
+                                           int causal) {
     memset(xp, 0, sizeof(T) * DT_R * Ep);
     for (int64_t r = 0; r < DT_R; r++)
         for (int64_t e = 0; e < E; e++)
@@ -134,7 +134,7 @@ static inline int64_t DT_FN(dt_keys)(int64_t i, int64_t n, int causal) {  /* row
    finishes slowly. The rows go side by side, 8 lanes each, so their chains of latencies (max,
    sum) overlap; one row at a time, those chains bound the kernel (benchmarks/attention.py). */
 static inline void DT_FN(dt_exp_rows)(T *s, int64_t ss, int64_t i0, int64_t n, int causal,
-                                 int64_t nv, T *total) {
+                                      int64_t nv, T *total) {
     T mx[DT_R][8], acc[DT_R][8], m[DT_R];
     for (int r = 0; r < DT_R; r++) {
         for (int64_t j = DT_FN(dt_keys)(i0 + r, n, causal); j < nv; j++) s[r * ss + j] = -INFINITY;
@@ -161,6 +161,22 @@ static inline void DT_FN(dt_exp_rows)(T *s, int64_t ss, int64_t i0, int64_t n, i
                    + ((acc[r][4] + acc[r][5]) + (acc[r][6] + acc[r][7]));
 }
 
+/* Rows i0 .. i0 + nr of a (rs apart, E wide) toward L2, to be read or (write) written. Each
+   block of a head fetches the same rows of the next head's inputs and outputs: in a training
+   step they come cold (the projections were two or more GEMMs earlier, the outputs' lines
+   last used long before), and so their misses overlap this head's arithmetic
+   (benchmarks/attention.py --cold). */
+static inline void DT_FN(dt_prefetch_rows)(const T *a, int64_t rs, int64_t i0, int64_t nr,
+                                           int64_t E, int write) {
+    for (int64_t r = i0; r < i0 + nr; r++)
+        for (int64_t e = 0; e < E; e += 64 / (int64_t)sizeof(T)) {
+            if (write)
+                __builtin_prefetch(a + r * rs + e, 1, 2);
+            else
+                __builtin_prefetch(a + r * rs + e, 0, 2);
+        }
+}
+
 /* The scratch one call of attention (backward 0) or attention_backward (1) needs, in T's:
    the caller passes that many, on a cache line (a vector never straddles two). */
 int64_t DT_FN(attention_scratch)(int64_t L, int64_t E, int64_t backward) {
@@ -172,8 +188,8 @@ int64_t DT_FN(attention_scratch)(int64_t L, int64_t E, int64_t backward) {
 
 /* q, k, v, out: tensors 0-3 of off and rs. */
 void DT_FN(attention)(const T *q, const T *k, const T *v, T *out, const int64_t *off,
-                 const int64_t *rs, T *kt, int64_t h0, int64_t h1, int64_t H, int64_t L,
-                 int64_t E, T scale, int causal) {
+                      const int64_t *rs, T *kt, int64_t h0, int64_t h1, int64_t H, int64_t L,
+                      int64_t E, T scale, int causal) {
     const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
     const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
     T *vp = kt + E * Lp, *s = vp + Lp * Ep, *qs = s + DT_R * Lp, *qp = qs + DT_R * E;
@@ -185,7 +201,10 @@ void DT_FN(attention)(const T *q, const T *k, const T *v, T *out, const int64_t 
         for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
             int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
             int64_t n = DT_FN(dt_block_rows)(q + off[h], rs[0], qs, qp, i0, nr, L, E, Ep, scale,
-                                        causal);
+                                             causal);
+            for (int t = 0; h + 1 < h1 && t < 4; t++)  /* the next head's q, k, v, out */
+                DT_FN(dt_prefetch_rows)((t == 0 ? q : t == 1 ? k : t == 2 ? v : out)
+                                        + off[t * H + h + 1], rs[t], i0, nr, E, t == 3);
             int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
             T total[DT_R];
             DT_FN(dt_rows_product)(qs, E, kt, Lp, s, Lp, E, nv);
@@ -202,8 +221,8 @@ void DT_FN(attention)(const T *q, const T *k, const T *v, T *out, const int64_t 
    dq, dk, dv), recomputing each block's p: ds_ij = p_ij (dp_ij - sum_j p_ij dp_ij) with
    dp = g v^T; dq = scale ds k, dk = ds^T (scale q), dv = p^T g. */
 void DT_FN(attention_backward)(const T *g, const T *q, const T *k, const T *v, T *out,
-                          const int64_t *off, const int64_t *rs, T *kt, int64_t h0,
-                          int64_t h1, int64_t H, int64_t L, int64_t E, T scale, int causal) {
+                               const int64_t *off, const int64_t *rs, T *kt, int64_t h0,
+                               int64_t h1, int64_t H, int64_t L, int64_t E, T scale, int causal) {
     const int64_t W = DT_W(T), Lp = (L + 2 * W - 1) / (2 * W) * 2 * W;
     const int64_t Ep = (E + 2 * W - 1) / (2 * W) * 2 * W;
     T *vt = kt + E * Lp, *kp = vt + E * Lp, *dk = kp + Lp * Ep, *dv = dk + Lp * Ep;
@@ -221,8 +240,11 @@ void DT_FN(attention_backward)(const T *g, const T *q, const T *k, const T *v, T
         memset(dva, 0, sizeof(T) * L * Ep);
         for (int64_t i0 = 0; i0 < L; i0 += DT_R) {
             int64_t nr = L - i0 < DT_R ? L - i0 : DT_R;
-            int64_t n = DT_FN(dt_block_rows)(q + off[H + h], rs[1], qs, qp, i0, nr, L, E, Ep, scale,
-                                        causal);
+            int64_t n = DT_FN(dt_block_rows)(q + off[H + h], rs[1], qs, qp, i0, nr, L, E, Ep,
+                                             scale, causal);
+            for (int t = 0; h + 1 < h1 && t < 7; t++)  /* the next head's g, q, k, v, dq, dk, dv */
+                DT_FN(dt_prefetch_rows)((t == 0 ? g : t == 1 ? q : t == 2 ? k : t == 3 ? v : out)
+                                        + off[t * H + h + 1], rs[t], i0, nr, E, t >= 4);
             int64_t nv = (n + 2 * W - 1) / (2 * W) * 2 * W;
             DT_FN(dt_block_rows)(g + off[h], rs[0], gs, gp, i0, nr, L, E, Ep, 1, causal);
             DT_FN(dt_rows_product)(qs, E, kt, Lp, p, Lp, E, nv);
@@ -252,7 +274,7 @@ void DT_FN(attention_backward)(const T *g, const T *q, const T *k, const T *v, T
 
 /* p, m, v may be po, mo, vo themselves (an update in place): no restrict on those. */
 static inline void DT_FN(dt_adamw_rows)(const T *p, const T *restrict g, const T *m, const T *v,
-                                    T *po, T *mo, T *vo, int64_t n, const T *k) {
+                                        T *po, T *mo, T *vo, int64_t n, const T *k) {
     for (int64_t i = 0; i < n; i++) {
 DT_ADAMW_BODY
     }
@@ -265,7 +287,7 @@ DT_ADAMW_BODY
    are not read again this step, and a plain store first reads each line of out from memory
    (benchmarks/gpt_step.py). */
 void DT_FN(adamw_group)(const int64_t *tab, const int64_t *sizes, const int64_t *offsets,
-                   const double *hp, T *out, int64_t total, int64_t q0, int64_t q1) {
+                        const double *hp, T *out, int64_t total, int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; q++) {
         const T *p = (const T *)tab[4 * q], *g = (const T *)tab[4 * q + 1];
         const T *m = (const T *)tab[4 * q + 2], *v = (const T *)tab[4 * q + 3];

@@ -2,7 +2,9 @@
 run passes over it and generate code (see compile/api.py).
 
 The module itself is callable, as torch.compile: ``dtensor.compile(fn)`` or ``@dtensor.compile``.
-Submodules: graph (IR), trace, passes, numpy_backend, c_backend, triton_backend, triton_adapter.
+Submodules: api, passes, guards, cache, kernels (the kernel layer), numpy_backend, c_backend
+(with c_prelude.c and c_typed.c), native (C builds and kernel threads), triton_backend,
+triton_adapter.
 """
 import importlib
 import sys

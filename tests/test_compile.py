@@ -9,6 +9,7 @@ from test_ops import CASES, SAMPLES, _wrap
 
 import dtensor
 from dtensor.comm import count_collectives
+from dtensor.compile.kernels import address
 from dtensor.nn import GPT, Block, GPTConfig
 from dtensor import Tensor
 from dtensor.ops import OPS, apply
@@ -173,10 +174,6 @@ def test_adamw_updates_parameters_in_place(backend, monkeypatch):
         np.testing.assert_array_equal(params[k], fresh[k], err_msg=k)
 
 
-def _address(a) -> int:
-    return a.__array_interface__["data"][0]
-
-
 @pytest.mark.parametrize("nbytes", [64, 200, 4096, 10_000, 150_000, 1 << 20, 3_000_001])
 def test_the_memory_plans_arena_starts_on_a_page(nbytes):
     """The arena starts on a page, so each buffer (at a multiple of 64 bytes in it) starts on a
@@ -189,8 +186,8 @@ def test_the_memory_plans_arena_starts_on_a_page(nbytes):
         plan = SimpleNamespace(arena_bytes=nbytes, buffers=[((1,), np.float64, 0)] + [
             ((16,), np.float32, k * 64) for k in range(1, min(nbytes // 64, 50))])
         bufs = memory.arena_buffers(plan)
-        assert _address(bufs[0]) % 4096 == 0, (nbytes, shift, hex(_address(bufs[0])))
-        assert all(_address(b) % 64 == 0 for b in bufs), (nbytes, shift)
+        assert address(bufs[0]) % 4096 == 0, (nbytes, shift, hex(address(bufs[0])))
+        assert all(address(b) % 64 == 0 for b in bufs), (nbytes, shift)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "c"])
@@ -207,7 +204,7 @@ def test_a_compiled_steps_buffers_start_on_cache_lines(backend):
     run = dtensor.compile(loss_and_grads, backend=backend)
     run()
     assert len(run.last.buffers) > 10
-    assert all(_address(b) % 64 == 0 for b in run.last.buffers)
+    assert all(address(b) % 64 == 0 for b in run.last.buffers)
 
 
 def _views_of(base, sizes, order=None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dtensor.compile.kernels import address
 from dtensor.graph import KERNEL_KINDS, Graph, Node
 
 # Ops whose result may share memory with their (first) input.
@@ -101,7 +102,7 @@ def arena_buffers(graph: Graph) -> list[np.ndarray]:
     16-byte aligned (malloc's), and a buffer off a line has every vector straddle two
     (benchmarks/gpt_step.py)."""
     raw = np.empty(graph.arena_bytes + _PAGE, np.uint8)
-    start = -raw.__array_interface__["data"][0] % _PAGE
+    start = -address(raw) % _PAGE
     arena = raw[start:start + graph.arena_bytes]
     return [np.ndarray(shape, dtype, buffer=arena, offset=off)
             for shape, dtype, off in graph.buffers]

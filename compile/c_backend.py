@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 from dtensor.compile import kernels, native
-from dtensor.compile.native import CompilerNotFound, build, cuts, num_threads, parallel, run_rows
+from dtensor.compile.native import CompilerNotFound, build, cuts, num_threads, parallel
 
 from dtensor.graph import Graph, Node
 from dtensor.ops import expr as X
@@ -158,12 +158,17 @@ class _Kernel(kernels.Kernel):
                 self.names[id(e)] = (
                     _c_literal(self.literal(e.attr), single) if e.prim == "const" else
                     str(self.C) if e.prim == "cols" else "r" if e.prim == "row" else "cc")
-        ins = [f"const {_CTYPE[lay.dtype]} *restrict in{k}"
+        # A kernel that reduces nothing may run in place (its result over an input: the
+        # memory plan's _dying_input): no restrict, and ivdep instead, so that its loop still
+        # vectorises without a runtime overlap check (element c is read before it is written).
+        inplace = not any(e.prim in X.REDUCTIONS for e in self.nodes)
+        restrict = "" if inplace else "restrict "
+        ins = [f"const {_CTYPE[lay.dtype]} *{restrict}in{k}"
                for k, lay in enumerate(self.inputs)]
         keys = "".join(f", uint64_t {key}" for key in self.keys)
         C, L = self.C, self.L
         lines = [f"/* {self.label} */",
-                 f"void {name}({', '.join(ins + [f'{T} *restrict out'])}, int64_t r0, "
+                 f"void {name}({', '.join(ins + [f'{T} *{restrict}out'])}, int64_t r0, "
                  f"int64_t r1{keys}) {{", "    for (int64_t r = r0; r < r1; r++) {"]
         for k, lay in enumerate(self.inputs):
             off = " + ".join(f"((r / {i}) % {n}) * {st}" for i, n, st in lay.terms) or "0"
@@ -191,14 +196,16 @@ class _Kernel(kernels.Kernel):
             lines.append(f"        for (int64_t c = 0; c < {self.out_cols}; c++) "
                          f"o[c] = ({T})({root});")
         else:
-            lines += ["        for (int64_t c = 0; c < n; c++) {",
-                      "            const int64_t cc = c;"]
+            lines += ["#pragma GCC ivdep"] * inplace + [
+                "        for (int64_t c = 0; c < n; c++) {", "            const int64_t cc = c;"]
             lines += self._body([self.root], "            ")
             lines += [f"            o[c] = ({T})(t{self.index[id(self.root)]});", "        }"]
             if self.causal:
                 lines.append(f"        for (int64_t c = n; c < {C}; c++) o[c] = 0;")
         self.source = "\n".join(lines + ["    }", "}", ""])
         self.argtypes = [_P] * (len(self.inputs) + 1) + [_I, _I] + [_U] * len(self.keys)
+        # the row ranges, fixed with the graph, so that a call goes straight to the function
+        self.ranges = cuts(self.R, self.R * self.C * (len(self.inputs) + 1))
 
     def _expr(self, e) -> str:
         args = [self._name(a) for a in e.args]
@@ -284,8 +291,13 @@ class _Kernel(kernels.Kernel):
         return out
 
     def launch(self, arrays, out, keys):
-        run_rows(self.fn, tuple(_ptr(a) for a in arrays) + (_ptr(out),), self.R,
-                  self.R * self.C * (len(arrays) + 1), tuple(keys[k] for k in self.keys))
+        head = [_ptr(a) for a in arrays]
+        head.append(_ptr(out))
+        tail = [keys[k] for k in self.keys] if self.keys else ()
+        if len(self.ranges) == 1:
+            self.fn(*head, 0, self.R, *tail)
+        else:
+            parallel(self.fn, [(*head, *r, *tail) for r in self.ranges])
 
 
 class _IndexAdd(kernels.IndexAdd):

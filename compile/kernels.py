@@ -73,6 +73,16 @@ def _last_dim_sum(n: Node) -> bool:
             and len(x.shape) >= 1 and tuple(n.params.get("axis") or ()) == (len(x.shape) - 1,))
 
 
+def elementwise(n: Node) -> bool:
+    """Whether node ``n`` computes each result element from the same element of its
+    full-shape inputs alone (a pointwise op, or a group of them), so that its result may be
+    written over such an input as it goes."""
+    if n.name == "fused":
+        return True
+    op = OPS.get(n.name)
+    return op is not None and op.shard == "pointwise" and n.variant == "impl"
+
+
 def members(n: Node):
     """(ops, array inputs, their call positions, row shape) of a node a kernel can run, else
     None. ops: (name, op, refs, params) with refs ("in", k) / ("op", j) / ("const", v)."""
@@ -194,7 +204,9 @@ class Kernel:
                   for p in self.positions]
         out = np.empty(self.shape, self.dtype) if out is None else out
         if self.R and self.C:
-            self.launch(arrays, out, {k: int(keys[k]) & ((1 << 64) - 1) for k in self.keys})
+            if self.keys:
+                keys = {k: int(keys[k]) & ((1 << 64) - 1) for k in self.keys}
+            self.launch(arrays, out, keys)
         return out
 
 

@@ -15,7 +15,7 @@ import threading
 
 from dtensor.compile import cache
 
-__all__ = ["build", "CompilerNotFound", "FLAGS", "num_threads", "parallel", "cuts", "run_rows",
+__all__ = ["build", "CompilerNotFound", "FLAGS", "num_threads", "parallel", "cuts",
            "SPLIT_ELEMENTS"]
 
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
@@ -214,8 +214,3 @@ def cuts(rows: int, work: int) -> list:
     n = min(num_threads(), rows) if work >= SPLIT_ELEMENTS else 1
     edges = [rows * k // n for k in range(n + 1)]
     return list(zip(edges[:-1], edges[1:]))
-
-
-def run_rows(fn, head: tuple, rows: int, work: int, tail: tuple = ()) -> None:
-    """fn(*head, r0, r1, *tail) over rows [0, rows), split over threads if worth it."""
-    parallel(fn, [head + r + tail for r in cuts(rows, work)])

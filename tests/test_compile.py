@@ -10,6 +10,7 @@ from test_ops import CASES, SAMPLES, _wrap
 import dtensor
 from dtensor.comm import count_collectives
 from dtensor.compile.kernels import address
+from dtensor.compile.passes import memory
 from dtensor.nn import GPT, Block, GPTConfig
 from dtensor import Tensor
 from dtensor.ops import OPS, apply
@@ -166,7 +167,6 @@ def test_adamw_updates_parameters_in_place(backend, monkeypatch):
     group = next(n for n in graph.nodes if n.name == "adamw_group")
     assert group.params.get("in_place") is True
     assert roots[1] is roots[2] is roots[3]  # steps 2-4 run the steady graph, in place
-    from dtensor.compile.passes import memory
     monkeypatch.setattr(memory, "_updates_in_place", lambda *a: False)
     fresh, fresh_roots, _ = _adamw_run(backend)
     assert fresh_roots[2] is not fresh_roots[3]
@@ -180,7 +180,6 @@ def test_the_memory_plans_arena_starts_on_a_page(nbytes):
     cache line, whatever address numpy's allocation got (malloc aligns to 16 bytes): arenas
     from the heap and from fresh mappings, after allocations that move the heap along."""
     from types import SimpleNamespace
-    from dtensor.compile.passes import memory
     for shift in (24, 40, 3000):
         moved = np.empty(shift, np.uint8)  # noqa: F841 (held while the arena is allocated)
         plan = SimpleNamespace(arena_bytes=nbytes, buffers=[((1,), np.float64, 0)] + [
@@ -651,3 +650,99 @@ def test_a_sum_of_a_product_over_the_leading_dims_is_one_pass(case, backend):
         np.testing.assert_allclose(x.numpy(), w.numpy(), rtol=0, atol=bound)
     names = [n.name for n in run.last.graph.nodes]
     assert ("sum_of_products" in names) == folds, names
+
+
+# ----------------------------------------------------------------------------- in place
+
+def _owner(a):
+    """The node whose buffer holds ``a``'s elements in ``a``'s order."""
+    while getattr(a, "buffer", 1) is None and a.inputs and a.name in ("reshape", "all_reduce"):
+        a = a.inputs[0]
+    return a
+
+
+def _in_place_nodes(graph) -> list:
+    """(node, input) pairs where the plan put the node's result at the bytes of the buffer
+    the input reads (itself, or through reshapes and all-reduces); checks that nothing reads
+    that input after the node, through any view of its buffer."""
+    at = {n.id: graph.buffers[n.buffer][2] for n in graph.nodes if n.buffer is not None}
+    order = {n.id: i for i, n in enumerate(graph.nodes)}
+    base = {}  # node id -> the id of the node owning the bytes it reads
+    for n in graph.nodes:
+        views = n.name in memory.VIEW_OPS or n.kind == "comm"
+        src = n.inputs[0] if views and n.inputs else None
+        base[n.id] = base.get(src.id, src.id) if hasattr(src, "id") else n.id
+    pairs = []
+    for n in graph.nodes:
+        for a in n.inputs:
+            o = _owner(a)
+            if n.id in at and at.get(getattr(o, "id", None)) == at[n.id] and o is not n:
+                pairs.append((n, o))
+                later = [m for m in graph.nodes if order[m.id] > order[n.id] and any(
+                    base.get(getattr(x, "id", None)) == o.id for x in m.inputs)]
+                assert not later, (n.name, o.name, [m.name for m in later])
+    return pairs
+
+
+def _step_with_plan(arch, backend, monkeypatch, in_place: bool):
+    from dtensor.nn import Llama, LlamaConfig
+    if not in_place:
+        monkeypatch.setattr(memory, "_dying_input", lambda *a: None)
+    dtensor.manual_seed(0)
+    model = (GPT(GPTConfig(**SMALL)) if arch == "gpt" else Llama(LlamaConfig(
+        vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
+        max_seq_len=16)))
+    opt = dtensor.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rng = np.random.default_rng(0)
+
+    def step(x, y):
+        out = model(x, y)
+        loss = out[1] if isinstance(out, tuple) else out
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    run = dtensor.compile(step, backend=backend)
+    losses = [float(run(*(rng.integers(0, 96, (2, 16)) for _ in "xy")).item())
+              for _ in range(3)]
+    params = {k: full(p).copy() for k, p in model.named_parameters()}
+    monkeypatch.undo()
+    return losses, params, run.last.graph
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_element_wise_results_take_a_dying_inputs_bytes(arch, backend, monkeypatch):
+    """The plan writes an element-wise result over an input read last there (a residual add
+    over its projection, a gradient sum over a GEMM's output): the same losses and parameters,
+    bit for bit, as the plan that gives every result bytes of its own."""
+    losses, params, graph = _step_with_plan(arch, backend, monkeypatch, in_place=True)
+    fresh_losses, fresh, fresh_graph = _step_with_plan(arch, backend, monkeypatch, False)
+    assert len(_in_place_nodes(graph)) >= 4, [n.name for n, _ in _in_place_nodes(graph)]
+    assert not _in_place_nodes(fresh_graph)
+    assert losses == fresh_losses
+    for k in params:
+        np.testing.assert_array_equal(params[k], fresh[k], err_msg=k)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c", "triton"])
+def test_an_input_read_later_keeps_its_bytes(backend):
+    """Only an input read last by an element-wise node gives up its buffer: y is read again
+    after y + 1, so that result gets bytes of its own; w dies in w - 1, which takes its."""
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(s).astype(np.float32) for s in ((6, 5), (5, 8), (8, 6)))
+
+    def f(a, b, c):
+        y = a @ b
+        w = (y + 1.0) @ c
+        u = (w - 1.0) @ c.T
+        return u, y.sum()
+
+    want = [t.numpy() for t in f(*map(Tensor, (a, b, c)))]
+    run = dtensor.compile(f, backend=backend)
+    got = [t.numpy() for t in run(*map(Tensor, (a, b, c)))]
+    for x, w in zip(got, want):
+        np.testing.assert_allclose(x, w, rtol=1e-5, atol=1e-5)
+    pairs = _in_place_nodes(run.last.graph)
+    assert [(o.name, tuple(o.shape)) for _, o in pairs] == [("matmul", (6, 6))], pairs

@@ -7,14 +7,15 @@ it (reshape, permute, getitem, broadcast_to, a collective that may hand its inpu
 bucket part); values the graph returns never get one, because they outlive the call. Buffers
 are placed by liveness, not by shape: a dead value's bytes serve the next value of any shape
 (best fit, freed neighbours merged), so the arena is about the most bytes live at once, as
-eager's allocator holds, not one pool per shape.
+eager's allocator holds, not one pool per shape. An element-wise result goes over an input
+that dies there (``_dying_input``), whose lines are still in cache.
 """
 from __future__ import annotations
 
 
 import numpy as np
 
-from dtensor.compile.kernels import address
+from dtensor.compile.kernels import address, elementwise
 from dtensor.graph import KERNEL_KINDS, Graph, Node
 
 # Ops whose result may share memory with their (first) input.
@@ -71,6 +72,13 @@ def plan_memory(graph: Graph) -> Graph:
             n.params["in_place"] = n.inputs[0].buffer is not None
         if n.id in escaping or not _out_capable(n):
             continue
+        heir = _dying_input(n, i, end, escaping)
+        if heir is not None:  # written over element by element: its bytes become n's
+            at = graph.buffers[heir.buffer][2]
+            n.buffer = len(graph.buffers)
+            graph.buffers.append((tuple(n.shape), n.dtype, at))
+            busy = [(max(e, end[n.id]) if off == at else e, off, size) for e, off, size in busy]
+            continue
         size = -(-max(1, int(np.prod(n.shape)) * n.dtype.itemsize) // _ALIGN) * _ALIGN
         off = arena.take(size)
         n.buffer = len(graph.buffers)
@@ -79,6 +87,32 @@ def plan_memory(graph: Graph) -> Graph:
     graph.arena_bytes = arena.top
     _donate_to_collectives(graph)
     return graph
+
+
+def _dying_input(n: Node, i: int, end: dict, escaping: set) -> Node | None:
+    """An input of element-wise node ``n`` (node ``i``) whose buffer ``n`` may write its
+    result into: one of the same size and dtype, read last by ``n``, itself or through
+    reshapes and all-reduces of it. Its lines are in cache, just written or read, where a
+    free buffer's are likely not, and a store to a line not in cache first reads it from
+    memory. Element-wise: result element k reads only element k of each full-size input; a
+    numpy ufunc, or a kernel of pointwise ops (the C renderer drops ``restrict`` there)."""
+    from dtensor.compile.numpy_backend import runner
+    if n.kind in KERNEL_KINDS:
+        if not elementwise(n):
+            return None
+    elif not (n.kind == "op" and isinstance(runner(n, {}), np.ufunc)):
+        return None
+    size = int(np.prod(n.shape))
+    for a in n.inputs:
+        while isinstance(a, Node) and a.buffer is None and a.inputs and (
+                (a.name == "reshape" and a.variant == "impl")
+                or (a.kind == "comm" and a.name == "all_reduce")):
+            a = a.inputs[0]  # the same elements in the same order: its buffer's
+        if (isinstance(a, Node) and a.buffer is not None and end.get(a.id) == i
+                and a.id not in escaping and int(np.prod(a.shape)) == size
+                and a.dtype == n.dtype):
+            return a
+    return None
 
 
 def _updates_in_place(n: Node, i: int, index: dict, users: dict) -> bool:

@@ -726,23 +726,44 @@ def test_element_wise_results_take_a_dying_inputs_bytes(arch, backend, monkeypat
         np.testing.assert_array_equal(params[k], fresh[k], err_msg=k)
 
 
+def _read_later(a, b, c):  # y is read again after y + 1: that sum gets bytes of its own
+    y = a @ b
+    w = (y + 1.0) @ c
+    return (w - 1.0) @ c.T, y.sum()  # w dies in w - 1, which takes its bytes
+
+
+def _row_of_itself(a, b, c):  # row 0 of y is read by every row: y keeps its bytes
+    y = a @ b
+    return ((y + y[0:1]) * 2.0) @ c
+
+
+def _twice(a, b, c):  # the same input twice: element k still reads only element k
+    y = a @ b
+    return (y * y + 1.0) @ c
+
+
+def _through_a_transpose(a, b, c):  # y^T is y's bytes in another order: not over y
+    y = b @ c
+    return (y + y.T) @ b
+
+
 @pytest.mark.parametrize("backend", ["numpy", "c", "triton"])
-def test_an_input_read_later_keeps_its_bytes(backend):
-    """Only an input read last by an element-wise node gives up its buffer: y is read again
-    after y + 1, so that result gets bytes of its own; w dies in w - 1, which takes its."""
+@pytest.mark.parametrize("f,owners", [(_read_later, [(6, 5)]), (_row_of_itself, []),
+                                      (_twice, [(6, 8)]), (_through_a_transpose, [])])
+def test_only_an_input_nothing_else_reads_gives_up_its_bytes(f, owners, backend):
+    """An element-wise result goes over an input only where nothing else reads that input's
+    bytes, later or in the same node through another view; the results equal eager's."""
     rng = np.random.default_rng(0)
-    a, b, c = (rng.standard_normal(s).astype(np.float32) for s in ((6, 5), (5, 8), (8, 6)))
+    a, b, c = (rng.standard_normal(s).astype(np.float32) for s in ((6, 5), (5, 8), (8, 5)))
+    def results(fn):
+        out = fn(*map(Tensor, (a, b, c)))
+        return [t.numpy() for t in (out if isinstance(out, tuple) else (out,))]
 
-    def f(a, b, c):
-        y = a @ b
-        w = (y + 1.0) @ c
-        u = (w - 1.0) @ c.T
-        return u, y.sum()
-
-    want = [t.numpy() for t in f(*map(Tensor, (a, b, c)))]
+    want = results(f)
     run = dtensor.compile(f, backend=backend)
-    got = [t.numpy() for t in run(*map(Tensor, (a, b, c)))]
+    got = results(run)
     for x, w in zip(got, want):
-        np.testing.assert_allclose(x, w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(x, w, rtol=1e-5, atol=1e-4)
     pairs = _in_place_nodes(run.last.graph)
-    assert [(o.name, tuple(o.shape)) for _, o in pairs] == [("matmul", (6, 6))], pairs
+    if backend != "numpy" or f is not _twice:  # numpy: y * y + 1 is a group, not a ufunc
+        assert [tuple(o.shape) for _, o in pairs] == owners, pairs

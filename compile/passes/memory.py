@@ -72,7 +72,7 @@ def plan_memory(graph: Graph) -> Graph:
             n.params["in_place"] = n.inputs[0].buffer is not None
         if n.id in escaping or not _out_capable(n):
             continue
-        heir = _dying_input(n, i, end, escaping)
+        heir = _dying_input(n, i, end, escaping, root)
         if heir is not None:  # written over element by element: its bytes become n's
             at = graph.buffers[heir.buffer][2]
             n.buffer = len(graph.buffers)
@@ -89,13 +89,15 @@ def plan_memory(graph: Graph) -> Graph:
     return graph
 
 
-def _dying_input(n: Node, i: int, end: dict, escaping: set) -> Node | None:
+def _dying_input(n: Node, i: int, end: dict, escaping: set, root: dict) -> Node | None:
     """An input of element-wise node ``n`` (node ``i``) whose buffer ``n`` may write its
     result into: one of the same size and dtype, read last by ``n``, itself or through
     reshapes and all-reduces of it. Its lines are in cache, just written or read, where a
     free buffer's are likely not, and a store to a line not in cache first reads it from
     memory. Element-wise: result element k reads only element k of each full-size input; a
-    numpy ufunc, or a kernel of pointwise ops (the C renderer drops ``restrict`` there)."""
+    numpy ufunc, or a kernel of pointwise ops (the C renderer drops ``restrict`` there). No
+    other input may read that buffer (``y + y[0:1]``: row 0 would be overwritten before the
+    later rows read it)."""
     from dtensor.compile.numpy_backend import runner
     if n.kind in KERNEL_KINDS:
         if not elementwise(n):
@@ -103,14 +105,16 @@ def _dying_input(n: Node, i: int, end: dict, escaping: set) -> Node | None:
     elif not (n.kind == "op" and isinstance(runner(n, {}), np.ufunc)):
         return None
     size = int(np.prod(n.shape))
-    for a in n.inputs:
-        while isinstance(a, Node) and a.buffer is None and a.inputs and (
+    inputs = [x for x in n.inputs if isinstance(x, Node)]
+    for x in inputs:
+        a = x
+        while a.buffer is None and a.inputs and isinstance(a.inputs[0], Node) and (
                 (a.name == "reshape" and a.variant == "impl")
                 or (a.kind == "comm" and a.name == "all_reduce")):
             a = a.inputs[0]  # the same elements in the same order: its buffer's
-        if (isinstance(a, Node) and a.buffer is not None and end.get(a.id) == i
-                and a.id not in escaping and int(np.prod(a.shape)) == size
-                and a.dtype == n.dtype):
+        if (a.buffer is not None and end.get(a.id) == i and a.id not in escaping
+                and int(np.prod(a.shape)) == size and a.dtype == n.dtype
+                and all(y is x or root.get(y.id, y.id) != a.id for y in inputs)):
             return a
     return None
 

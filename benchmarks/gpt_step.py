@@ -293,22 +293,27 @@ def main() -> None:
     if not gemms:
         gemms, floor_from = graph_gemms(run), "compiled graph"
     from dtensor.comm import count_collectives
-    # The machine's speed drifts (shared, noisy): the reference GEMM is timed between the steps,
-    # and each step is compared with the faster of the references just before and after it.
-    def reference() -> float:
-        if world > 1:  # every rank times its GEMM at the same moment
-            from dtensor.comm import get_world
-            get_world().barrier()
-        return numpy_matmul_gflops(reps=1)
-
-    def floor() -> float:
+    def together() -> None:
+        """Every rank starts what is timed next at the same moment: else a rank that finished
+        the last thing first counts, in its first collective, the time the others took to
+        finish theirs (the twin's optimizer step, say)."""
         if world > 1:
             from dtensor.comm import get_world
             get_world().barrier()
+
+    # The machine's speed drifts (shared, noisy): the reference GEMM is timed between the steps,
+    # and each step is compared with the faster of the references just before and after it.
+    def reference() -> float:
+        together()
+        return numpy_matmul_gflops(reps=1)
+
+    def floor() -> float:
+        together()
         return gemm_floor(gemms, reps=1)
 
     times, logs, refs, eager, floors = [], [], [reference()], [], [floor()]
     for _ in range(args.steps):
+        together()
         t = time.perf_counter()
         with count_collectives() as log:
             step()
@@ -317,6 +322,7 @@ def main() -> None:
         refs.append(reference())
         floors.append(floor())
         if twin:
+            together()
             t = time.perf_counter()
             twin(idx, targets).item()
             eager.append(time.perf_counter() - t)

@@ -158,10 +158,10 @@ class _Kernel(kernels.Kernel):
                 self.names[id(e)] = (
                     _c_literal(self.literal(e.attr), single) if e.prim == "const" else
                     str(self.C) if e.prim == "cols" else "r" if e.prim == "row" else "cc")
-        # A kernel that reduces nothing may run in place (its result over an input: the
-        # memory plan's _dying_input): no restrict, and ivdep instead, so that its loop still
+        # An element-wise kernel may run in place (its result over an input: the memory
+        # plan's _dying_input): no restrict, and ivdep instead, so that its loop still
         # vectorises without a runtime overlap check (element c is read before it is written).
-        inplace = not any(e.prim in X.REDUCTIONS for e in self.nodes)
+        inplace = kernels.elementwise(node)
         restrict = "" if inplace else "restrict "
         ins = [f"const {_CTYPE[lay.dtype]} *{restrict}in{k}"
                for k, lay in enumerate(self.inputs)]

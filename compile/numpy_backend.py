@@ -61,10 +61,6 @@ def runner(n: Node, kernels: dict):
         return compiler_ops[n.name]
     op = OPS[n.name]
     if n.variant == "impl":
-        if n.name == "matmul" and all(len(a.shape) == 2 for a in n.inputs):
-            # what the impl calls for two matrices (the trace checked their dtypes), a frame
-            # less on each of a step's GEMMs
-            return np.matmul
         return op.impl
     return functools.partial(op.local, in_blocks=n.blocks[0], out_block=n.blocks[1])
 

@@ -12,17 +12,25 @@
 #define DT_STREAM_f64(dst, src) _mm256_stream_pd((dst), _mm256_loadu_pd(src))
 #endif
 
-/* 32-byte vectors for the attention kernels' register tiles (AVX, or pairs of SSE registers),
-   multiply-added with one rounding where the machine has FMA. */
-typedef float float_vec __attribute__((vector_size(32)));
-typedef double double_vec __attribute__((vector_size(32)));
+/* The attention kernels' register tiles: vectors as wide as the CPU's (64 bytes with AVX-512,
+   else 32: AVX, or pairs of SSE registers), multiply-added with one rounding where the machine
+   has FMA. Every output element is the same chain of multiply-adds at either width, so the
+   width changes no bit of a result; at 64 bytes each instruction does twice the work
+   (benchmarks/attention.py). */
+#ifdef __AVX512F__
+#define DT_VBYTES 64
+#else
+#define DT_VBYTES 32
+#endif
+typedef float float_vec __attribute__((vector_size(DT_VBYTES)));
+typedef double double_vec __attribute__((vector_size(DT_VBYTES)));
 /* c_typed.c's names for its type T: DT_FN(f) is f_f32 or f_f64 (DT_S, the suffix), VEC(T) the
    type's vector */
 #define DT_CAT_(a, b) a##_##b
 #define DT_CAT(a, b) DT_CAT_(a, b)
 #define DT_FN(f) DT_CAT(f, DT_S)
 #define VEC(t) DT_CAT(t, vec)
-#define DT_W(t) ((int64_t)(32 / sizeof(t)))  /* lanes */
+#define DT_W(t) ((int64_t)(DT_VBYTES / sizeof(t)))  /* lanes */
 /* Attention's query rows per block: a block's products hold 2 accumulators a row, so 8 rows
    where the CPU has 32 vector registers (AVX-512) and 4 where it has 16, which 8 rows would
    spill. The order of every sum is the same either way (benchmarks/attention.py). */
@@ -33,7 +41,9 @@ typedef double double_vec __attribute__((vector_size(32)));
 #endif
 
 static inline float_vec dt_vfma_f32(float_vec a, float_vec b, float_vec c) {
-#ifdef __FMA__
+#if defined(__AVX512F__)
+    return (float_vec)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
     return (float_vec)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
     return a * b + c;
@@ -41,22 +51,39 @@ static inline float_vec dt_vfma_f32(float_vec a, float_vec b, float_vec c) {
 }
 
 static inline double_vec dt_vfma_f64(double_vec a, double_vec b, double_vec c) {
-#ifdef __FMA__
+#if defined(__AVX512F__)
+    return (double_vec)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#elif defined(__FMA__)
     return (double_vec)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
 #else
     return a * b + c;
 #endif
 }
 
-/* (not 0 + x: without -ffast-math the compiler must keep that addition, for -0) */
-static inline float_vec dt_vset_f32(float x) { return (float_vec){x, x, x, x, x, x, x, x}; }
-static inline double_vec dt_vset_f64(double x) { return (double_vec){x, x, x, x}; }
-static inline float_vec dt_vload_f32(const float *p) { float_vec v; memcpy(&v, p, 32); return v; }
-static inline double_vec dt_vload_f64(const double *p) {
-    double_vec v; memcpy(&v, p, 32); return v;
+/* every lane x (not 0 + x: without -ffast-math the compiler must keep that addition, for -0;
+   and GCC 12 builds a 64-byte vector from its 16 lanes one masked insert at a time) */
+static inline float_vec dt_vset_f32(float x) {
+#ifdef __AVX512F__
+    return (float_vec)_mm512_set1_ps(x);
+#else
+    return (float_vec){x, x, x, x, x, x, x, x};
+#endif
 }
-static inline void dt_vstore_f32(float *p, float_vec v) { memcpy(p, &v, 32); }
-static inline void dt_vstore_f64(double *p, double_vec v) { memcpy(p, &v, 32); }
+static inline double_vec dt_vset_f64(double x) {
+#ifdef __AVX512F__
+    return (double_vec)_mm512_set1_pd(x);
+#else
+    return (double_vec){x, x, x, x};
+#endif
+}
+static inline float_vec dt_vload_f32(const float *p) {
+    float_vec v; memcpy(&v, p, sizeof v); return v;
+}
+static inline double_vec dt_vload_f64(const double *p) {
+    double_vec v; memcpy(&v, p, sizeof v); return v;
+}
+static inline void dt_vstore_f32(float *p, float_vec v) { memcpy(p, &v, sizeof v); }
+static inline void dt_vstore_f64(double *p, double_vec v) { memcpy(p, &v, sizeof v); }
 
 /* to[e ts + j] = a[j as + e] for j, e < 8: an 8 x 8 block transposed in registers (AVX's
    unpack, shuffle and lane-swap network): one element at a time, each row's 8 stores go to

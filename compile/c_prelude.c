@@ -142,7 +142,8 @@ static inline float dt_exp_upto_f32(float x, float hi) {
        arithmetic. ``hi`` INFINITY: x is known <= 0 (a softmax row less its max), and the
        upper clamp goes. The clamps pick bits by integer masks: written as float selects, GCC
        12 carries the clamped constants through the whole polynomial and blends its results
-       (~45 instructions for 8 lanes against 33; benchmarks/kernels.py). */
+       (~45 instructions for 8 lanes in its output against 33; exp(x - max) over 128 x 2048
+       floats in cache 10% slower). */
     union { float f; int32_t i; } b = {x}, lo = {-110.0f}, up = {hi};
     int32_t below = -(int32_t)(x < -110.0f), above = -(int32_t)(x > hi);
     b.i = (b.i & ~below) | (lo.i & below);

@@ -127,6 +127,16 @@ static inline int64_t DT_FN(dt_keys)(int64_t i, int64_t n, int causal) {  /* row
     return causal && i + 1 < n ? i + 1 : n;
 }
 
+/* a[j] -> exp(a[j] - m) for j < n, 0 where a[j] is -inf: element-wise and bound by the exp, so
+   built for the widest vectors (DT_WIDE), apart from the 8-lane row sums that follow it; not
+   inlined, since GCC builds an inlined function with its caller's vector width */
+static DT_WIDE __attribute__((noinline)) void DT_FN(dt_exp_shifted)(T *a, int64_t n, T m) {
+    for (int64_t j = 0; j < n; j++) {
+        T x = a[j] - m;
+        a[j] = x == -INFINITY ? 0 : DT_FN(dt_exp_upto)(x == -INFINITY ? 0 : x, INFINITY);
+    }
+}
+
 /* A block's DT_R rows of scores (ss apart; row r is query i0 + r's) -> exp(s - the row's max)
    over its keys, 0 from there to nv; each row's sum into total. Loops run to nv, whole vectors,
    the keys past a row's at -inf (a scalar tail of up to 15 exps a row costs more); their exp
@@ -148,14 +158,10 @@ static inline void DT_FN(dt_exp_rows)(T *s, int64_t ss, int64_t i0, int64_t n, i
         m[r] = -INFINITY;
         for (int l = 0; l < 8; l++) m[r] = mx[r][l] > m[r] ? mx[r][l] : m[r];
     }
+    for (int r = 0; r < DT_R; r++) DT_FN(dt_exp_shifted)(s + r * ss, nv, m[r]);
     for (int64_t j = 0; j < nv; j += 8)
         for (int r = 0; r < DT_R; r++)
-            for (int l = 0; l < 8; l++) {
-                T x = s[r * ss + j + l] - m[r];
-                T e = x == -INFINITY ? 0 : DT_FN(dt_exp_upto)(x == -INFINITY ? 0 : x, INFINITY);
-                s[r * ss + j + l] = e;
-                acc[r][l] += e;
-            }
+            for (int l = 0; l < 8; l++) acc[r][l] += s[r * ss + j + l];
     for (int r = 0; r < DT_R; r++)
         total[r] = ((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3]))
                    + ((acc[r][4] + acc[r][5]) + (acc[r][6] + acc[r][7]));

@@ -7,7 +7,7 @@ eager updates them. The pipeline (DTENSOR_DEBUG=2 prints the graph after each st
 generated code, on rank 0):
 
     trace (dtensor/tracer.py) -> dce -> cse -> fold_scatter_adds -> fold_product_sums
-    -> bucket_all_reduces -> fuse_pointwise -> fuse_adamw
+    -> [merge_matmuls] -> bucket_all_reduces -> fuse_pointwise -> fuse_adamw
     -> [C or Triton kernels for fused groups and row-wise ops] -> plan_memory -> numpy codegen
 
 Example:
@@ -38,6 +38,7 @@ __all__ = ["compile", "Compiled", "TracingError", "RecompileWarning"]
 PASSES = (("shard_broadcasts", passes.shard_broadcasts), ("dce", passes.dce), ("cse", passes.cse),
           ("fold_scatter_adds", passes.fold_scatter_adds),
           ("fold_product_sums", passes.fold_product_sums),
+          ("merge_matmuls", passes.merge_matmuls),
           ("bucket_all_reduces", passes.bucket_all_reduces),
           ("fuse_pointwise", passes.fuse_pointwise), ("fuse_adamw", passes.fuse_adamw),
           ("plan_memory", passes.plan_memory))
@@ -465,8 +466,10 @@ class Compiled:
                     if _debug_level() >= 3 and _rank0():
                         print(f"[dtensor.compile] {self.backend} kernel for %{node.id} "
                               f"{node.name}\n{k.source}", flush=True)
-            # A row-wise op joins row groups only where they become generated kernels; the
-            # numpy backend runs eager's own row kernels (BLAS row sums), bit for bit.
+            # A row-wise op joins row groups, and sibling matmuls merge, only where kernels are
+            # generated; the numpy backend runs eager's own kernels and GEMMs, bit for bit.
+            if name == "merge_matmuls" and self.backend == "numpy":
+                continue
             graph = (p(graph, row_ops=self.backend != "numpy") if name == "fuse_pointwise"
                      else p(graph))
             if debug:

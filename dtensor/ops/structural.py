@@ -195,8 +195,14 @@ def _cat_vjp(g, out, *xs, axis):
     return tuple(grads)
 
 
+def _cat_impl(*xs, axis, out=None):
+    return np.concatenate(xs, axis=axis, out=out)
+
+
+_cat_impl.accepts_out = True  # the compiler's memory plan may give it a buffer
+
 cat = defop(
-    "cat", impl=lambda *xs, axis: np.concatenate(xs, axis=axis), abstract=_cat_abstract,
+    "cat", impl=_cat_impl, abstract=_cat_abstract,
     vjp=_cat_vjp, linearity="all", shard="cat")
 
 # Each entry of x repeated ``repeats`` times along ``axis`` (torch.repeat_interleave with an

@@ -1,0 +1,226 @@
+"""Sibling matmuls as one GEMM (XLA's DotMerger): Linear layers that read the same input
+(attention's q, k and v projections) multiply it by their weights side by side, and in the
+backward their input gradients (summed) and their weight gradients are each one GEMM over the
+output gradients side by side.
+
+    q = x @ Wq^T, k = x @ Wk^T, v = x @ Wv^T   ->   [q k v] = x @ [Wq; Wk; Wv]^T
+    dx = dq Wq + dk Wk + dv Wv                 ->   dx = [dq dk dv] @ [Wq; Wk; Wv]
+    dWq = dq^T x, dWk = dk^T x, dWv = dv^T x   ->   [dWq; dWk; dWv] = [dq dk dv]^T x
+
+One GEMM of N = 384 beats three of N = 128 at the standard GPT's shapes (x read once, one
+call's packing and set-up; benchmarks/gpt_step.py: ~2% of the TP=2 step on an AVX-512 Xeon),
+at the cost of copying the weights (and in the backward the output gradients) side by side.
+The projections are then column blocks of one result, views whose rows are the merged width
+apart: merged only where every reader takes such a block as it lies (a GEMM, attention). The
+input gradient's sum runs inside one GEMM instead of two adds: the same terms, summed in
+another order (equal to float32 rounding).
+"""
+from __future__ import annotations
+
+from dtensor.compile.passes.simplify import dce
+from dtensor.graph import Graph, Node
+from dtensor.ops.registry import OPS
+
+
+def _is(n, name: str) -> bool:
+    return isinstance(n, Node) and n.kind == "op" and n.name == name and n.variant == "impl"
+
+
+def _transposed(n) -> Node | None:
+    """``n``'s input when ``n`` transposes a matrix, else None."""
+    if (_is(n, "permute") and tuple(n.params["axes"]) == (1, 0)
+            and isinstance(n.inputs[0], Node)):
+        return n.inputs[0]
+    return None
+
+
+def _linear(n) -> tuple | None:
+    """(x, W, W^T) of ``n`` = x @ W^T (2-D, floating), else None."""
+    if not (_is(n, "matmul") and len(n.shape) == 2 and n.dtype.kind == "f"):
+        return None
+    x, wt = n.inputs
+    w = _transposed(wt)
+    if not (isinstance(x, Node) and w is not None and len(x.shape) == 2 and len(w.shape) == 2
+            and x.dtype == w.dtype == n.dtype):
+        return None
+    return x, w, wt
+
+
+# Ops whose kernels take a row-major operand whose rows are further apart as it lies: BLAS
+# (its leading dimension) and the attention kernels (each tensor's row stride). An element-wise
+# kernel would first copy it, or numpy walk it slower (a Llama's rotary and SwiGLU: merged,
+# its step was no faster, its GEMMs' 2.8 ms saved and spent again there).
+_STRIDED_READERS = ("matmul", "attention")
+_VIEWS = ("reshape", "permute")
+
+
+def _read_as_is(n, users) -> bool:
+    """Whether every reader of ``n``, through views, takes a strided operand as it lies."""
+    for u in users.get(n.id, ()):
+        op = OPS.get(u.name)
+        if u.kind == "op" and u.name in _VIEWS:
+            if not _read_as_is(u, users):
+                return False
+        elif not (u.kind == "op" and op is not None and op.shard in _STRIDED_READERS):
+            return False
+    return True
+
+
+def _block(node, start: int, stop: int, axis: int) -> tuple:
+    """getitem's key for [start, stop) along ``axis`` of a 2-D ``node``."""
+    key = [(0, node.shape[0], 1), (0, node.shape[1], 1)]
+    key[axis] = (start, stop, 1)
+    return tuple(key)
+
+
+def _node(graph: Graph, made: list, name: str, inputs, params: dict, shape, like: Node) -> Node:
+    """A new op node of ``like``'s dtype, appended to ``made``."""
+    n = Node(graph._next, "op", name, list(inputs), params, tuple(shape), like.dtype)
+    graph._next += 1
+    made.append(n)
+    return n
+
+
+def _sum_of(root, leaves: set) -> bool:
+    """Whether ``root`` is an add tree (through reshapes) whose leaves are exactly ``leaves``
+    (node ids), each reached once: the sum its value is."""
+    seen = []
+
+    def walk(n, inner: bool) -> bool:
+        if n.id in leaves:
+            seen.append(n.id)
+            return True
+        if inner and _is(n, "reshape") and isinstance(n.inputs[0], Node):
+            return walk(n.inputs[0], True)
+        return (_is(n, "add") and len(n.inputs) == 2
+                and all(isinstance(a, Node) and walk(a, True) for a in n.inputs))
+    return walk(root, False) and sorted(seen) == sorted(leaves)
+
+
+def merge_matmuls(graph: Graph) -> Graph:
+    """Merge each group of at least two ``x @ W^T`` with the same x (whose weights exist where
+    the group's first matmul runs), then their input and weight gradients where the backward
+    holds them whole: ``g_i @ W_i`` summed by adds and nothing else, and ``g_i^T @ x``."""
+    index = {n.id: i for i, n in enumerate(graph.nodes)}
+    groups: dict = {}
+    users = graph.users()
+    for n in graph.nodes:
+        found = _linear(n)
+        if found is not None and _read_as_is(n, users):
+            x, w, _ = found
+            groups.setdefault((x.id, w.shape[1], n.dtype.str), []).append((n, w))
+    replace: dict[int, Node] = {}  # old node id -> the node now computing its value
+    after: dict[int, list[Node]] = {}  # node id -> new nodes placed right after it
+    for members in groups.values():
+        first = index[members[0][0].id]
+        members = [(n, w) for n, w in members if index.get(w.id, -1) < first]
+        if len(members) < 2:
+            continue
+        mms, ws = [n for n, _ in members], [w for _, w in members]
+        x = mms[0].inputs[0]
+        sizes = [w.shape[0] for w in ws]
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        width = sum(sizes)
+        new: list[Node] = []
+        wcat = _node(graph, new, "cat", ws, {"axis": 0}, (width, ws[0].shape[1]), x)
+        wt = _node(graph, new, "permute", [wcat], {"axes": (1, 0)}, (ws[0].shape[1], width), x)
+        both = _node(graph, new, "matmul", [x, wt], {}, (x.shape[0], width), x)
+        for mm, start, size in zip(mms, starts, sizes):
+            replace[mm.id] = _node(graph, new, "getitem", [both],
+                                   {"key": _block(both, start, start + size, 1)}, mm.shape, x)
+        after.setdefault(graph.nodes[first - 1].id if first else -1, []).extend(new)
+        _merge_backward(graph, mms, x, wcat, starts, sizes, users, replace, after)
+    if not replace:
+        return graph
+    nodes = after.get(-1, [])
+    for n in graph.nodes:
+        nodes.append(n)
+        nodes.extend(after.get(n.id, ()))
+    for n in nodes:
+        n.inputs = [replace.get(a.id, a) if isinstance(a, Node) else a for a in n.inputs]
+    graph.outputs = [replace.get(o.id, o) if isinstance(o, Node) else o for o in graph.outputs]
+    graph.nodes = _in_order(graph, [n for n in nodes if n.id not in replace])
+    return dce(graph)
+
+
+def _merge_backward(graph, mms, x, wcat, starts, sizes, users, replace, after) -> None:
+    """The backward of a merged group: for each matmul ``x @ W_i^T`` (``W_i^T`` the node wt_i),
+    its output gradient g_i reaches ``g_i @ wt_i^T`` (into x's gradient) and ``g_i^T @ x``
+    (W_i's). Merged when every g_i has both and the first kind are summed by adds alone."""
+    wts = [mm.inputs[1] for mm in mms]
+    dx, dw, grads = [], [], []
+    for wt in wts:
+        back = [u for u in users.get(wt.id, ()) if _transposed(u) is wt]
+        uses = [m for b in back for m in users.get(b.id, ()) if _is(m, "matmul")
+                and m.inputs[1] is b and len(m.shape) == 2]
+        if len(uses) != 1:
+            return
+        g = uses[0].inputs[0]
+        if not isinstance(g, Node):
+            return
+        w_uses = [m for t in users.get(g.id, ()) if _transposed(t) is g
+                  for m in users.get(t.id, ()) if _is(m, "matmul") and m.inputs[0] is t
+                  and m.inputs[1] is x]
+        if len(w_uses) != 1:
+            return
+        dx.append(uses[0])
+        dw.append(w_uses[0])
+        grads.append(g)
+    leaves = {d.id for d in dx}
+    roots = {u.id: u for d in dx for u in _adds_above(d, users)}
+    root = next((r for r in roots.values() if _sum_of(r, leaves)), None)
+    if root is None:
+        return
+    index = {n.id: i for i, n in enumerate(graph.nodes)}
+    last = max(grads, key=lambda g: index[g.id])
+    new: list[Node] = []
+    rows, width = grads[0].shape[0], sum(sizes)
+    gcat = _node(graph, new, "cat", grads, {"axis": 1}, (rows, width), x)
+    dx_all = _node(graph, new, "matmul", [gcat, wcat], {}, (rows, wcat.shape[1]), x)
+    replace[root.id] = _node(graph, new, "reshape", [dx_all], {"shape": tuple(root.shape)},
+                             root.shape, x)
+    gt = _node(graph, new, "permute", [gcat], {"axes": (1, 0)}, (width, rows), x)
+    dw_all = _node(graph, new, "matmul", [gt, x], {}, (width, x.shape[1]), x)
+    for m, start, size in zip(dw, starts, sizes):
+        replace[m.id] = _node(graph, new, "getitem", [dw_all],
+                              {"key": _block(dw_all, start, start + size, 0)}, m.shape, x)
+    after.setdefault(last.id, []).extend(new)
+
+
+def _adds_above(n, users) -> list:
+    """The adds that read ``n``, through reshapes and other adds."""
+    found, stack = [], [n]
+    while stack:
+        for u in users.get(stack.pop().id, ()):
+            if _is(u, "add") or _is(u, "reshape"):
+                if _is(u, "add"):
+                    found.append(u)
+                stack.append(u)
+    return found
+
+
+def _in_order(graph: Graph, nodes: list) -> list:
+    """``nodes`` in their order, each moved after its inputs where a merge put an input later
+    (a view of a weight gradient now cut from a GEMM that runs after it)."""
+    done = {n.id for n in graph.inputs}
+    waiting: dict[int, list[Node]] = {}
+    out: list[Node] = []
+
+    def missing(n):
+        return next((a.id for a in n.inputs if isinstance(a, Node) and a.id not in done), None)
+
+    def emit(n):
+        stack = [n]
+        while stack:
+            m = stack.pop()
+            need = missing(m)
+            if need is not None:
+                waiting.setdefault(need, []).append(m)
+                continue
+            out.append(m)
+            done.add(m.id)
+            stack.extend(reversed(waiting.pop(m.id, [])))
+    for n in nodes:
+        emit(n)
+    assert not waiting, "merge_matmuls: a node's input is never computed"
+    return out

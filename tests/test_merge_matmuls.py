@@ -4,12 +4,13 @@ backend keeps eager's GEMMs. Each model trains two AdamW steps compiled against 
 and parameters to float32 rounding: the merged input gradient sums the same terms in another
 order), and the number of GEMMs its step runs is the numpy backend's less what merging saves:
 a group of k siblings runs one GEMM instead of k, forward, for the input gradient and for the
-weight gradients. Models: a GPT (q, k, v), one written for this test with other names (three
-towers whose outputs are multiplied), the same with a skip connection (the input's gradient
-then has a fourth term, so the backward stays as it was), one whose second weight is computed
-after the first GEMM (it stays out, and so does the backward, whose sum has its term), and a
-Llama, whose q, k (rotary) and gate/up (SwiGLU) are read by element-wise kernels, which would
-copy the strided blocks first: nothing merges there.
+weight gradients. Models: a GPT (q, k, v), the same with biases (added once, side by side),
+one written for this test with other names (three towers whose outputs are multiplied), the
+same with a skip connection (the input's gradient then has a fourth term, so the backward
+stays as it was), one whose second weight is computed after the first GEMM (it stays out, and
+so does the backward, whose sum has its term), and a Llama, whose q, k (rotary) and gate/up
+(SwiGLU) are read by element-wise kernels, which would copy the strided blocks first: nothing
+merges there.
 """
 from __future__ import annotations
 
@@ -49,9 +50,9 @@ class Towers(Module):
             return None, ((out - y) * (out - y)).mean()
 
 
-def gpt():
+def gpt(bias: bool = False):
     return GPT(GPTConfig(vocab_size=96, n_layer=2, n_embd=WIDTH, n_head=4, mlp_hidden=64,
-                         block_size=SEQ, bias=False, dropout=0.0))
+                         block_size=SEQ, bias=bias, dropout=0.0))
 
 
 def llama():
@@ -62,6 +63,7 @@ def llama():
 # model: (constructor, token inputs?, GEMMs saved a step: (forward, backward) per group)
 MODELS = {
     "gpt": (gpt, True, 2 * (2 + 4)),  # per layer: q, k, v forward 3 -> 1; dx and dW 3 -> 1 each
+    "gpt_bias": (lambda: gpt(bias=True), True, 2 * (2 + 4)),  # the biases added once, merged
     "towers": (Towers, False, 2 + 4),
     "towers_skip": (lambda: Towers(skip=True), False, 2),
     # q and v merge (2 -> 1) forward; h's gradient sums k's term too: that backward stays
@@ -135,7 +137,8 @@ def test_siblings_merge_and_train_as_eager(name, backend):
 # GEMMs saved at tp=2: the GPT's as in one process (its plan sums x's gradient terms, then
 # all-reduces once); the towers' forward only: each tower's Partial input gradient is
 # all-reduced before the sum (as eager's DTensor does), so the sum's terms are not GEMMs.
-@pytest.mark.parametrize("name,saved", [("gpt", MODELS["gpt"][2]), ("towers", 2)])
+@pytest.mark.parametrize("name,saved", [("gpt", MODELS["gpt"][2]),
+                                        ("gpt_bias", MODELS["gpt_bias"][2]), ("towers", 2)])
 @pytest.mark.ranks(2, timeout=300)
 def test_tensor_parallel_siblings_merge(name, saved, rank):
     """At tp=2 (the projections column-sharded) the local GEMMs merge, and training matches

@@ -10,8 +10,9 @@ output gradients side by side.
 One GEMM of N = 384 beats three of N = 128 at the standard GPT's shapes (x read once, one
 call's packing and set-up; benchmarks/gpt_step.py: ~2% of the TP=2 step on an AVX-512 Xeon),
 at the cost of copying the weights (and in the backward the output gradients) side by side.
-The projections are then column blocks of one result, views whose rows are the merged width
-apart: merged only where every reader takes such a block as it lies (a GEMM, attention). The
+The projections are then column blocks of one result (with their biases side by side added
+once), views whose rows are the merged width apart: merged only where every reader takes such
+a block as it lies (a GEMM, attention). The
 input gradient's sum runs inside one GEMM instead of two adds: the same terms, summed in
 another order (equal to float32 rounding).
 """
@@ -66,6 +67,19 @@ def _read_as_is(n, users) -> bool:
     return True
 
 
+def _bias(mm, users) -> tuple:
+    """(the Linear's result, its bias): ``mm + b`` with b one value per column when that add
+    is mm's only reader (F.linear's bias), else (mm, None)."""
+    readers = users.get(mm.id, ())
+    add = readers[0] if len(readers) == 1 else None
+    if _is(add, "add") and len(add.inputs) == 2 and add.shape == mm.shape:
+        b = add.inputs[1] if add.inputs[0] is mm else add.inputs[0]
+        if (isinstance(b, Node) and b is not mm and tuple(b.shape) == (mm.shape[1],)
+                and b.dtype == mm.dtype):
+            return add, b
+    return mm, None
+
+
 def _block(node, start: int, stop: int, axis: int) -> tuple:
     """getitem's key for [start, stop) along ``axis`` of a 2-D ``node``."""
     key = [(0, node.shape[0], 1), (0, node.shape[1], 1)]
@@ -98,25 +112,30 @@ def _sum_of(root, leaves: set) -> bool:
 
 
 def merge_matmuls(graph: Graph) -> Graph:
-    """Merge each group of at least two ``x @ W^T`` with the same x (whose weights exist where
-    the group's first matmul runs), then their input and weight gradients where the backward
-    holds them whole: ``g_i @ W_i`` summed by adds and nothing else, and ``g_i^T @ x``."""
+    """Merge each group of at least two ``x @ W^T`` (``+ b``) with the same x (whose weights and
+    biases exist where the group's first matmul runs), then their input and weight gradients
+    where the backward holds them whole: ``g_i @ W_i`` summed by adds and nothing else, and
+    ``g_i^T @ x``."""
     index = {n.id: i for i, n in enumerate(graph.nodes)}
     groups: dict = {}
     users = graph.users()
     for n in graph.nodes:
         found = _linear(n)
-        if found is not None and _read_as_is(n, users):
+        if found is not None:
             x, w, _ = found
-            groups.setdefault((x.id, w.shape[1], n.dtype.str), []).append((n, w))
+            out, b = _bias(n, users)
+            if _read_as_is(out, users):  # biased or not, a group's members are all alike
+                key = (x.id, w.shape[1], n.dtype.str, b is not None)
+                groups.setdefault(key, []).append((n, w, out, b))
     replace: dict[int, Node] = {}  # old node id -> the node now computing its value
     after: dict[int, list[Node]] = {}  # node id -> new nodes placed right after it
     for members in groups.values():
         first = index[members[0][0].id]
-        members = [(n, w) for n, w in members if index.get(w.id, -1) < first]
+        members = [(n, w, out, b) for n, w, out, b in members
+                   if all(index.get(a.id, -1) < first for a in (w, b) if a is not None)]
         if len(members) < 2:
             continue
-        mms, ws = [n for n, _ in members], [w for _, w in members]
+        mms, ws, outs, bs = (list(column) for column in zip(*members))
         x = mms[0].inputs[0]
         sizes = [w.shape[0] for w in ws]
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
@@ -125,9 +144,12 @@ def merge_matmuls(graph: Graph) -> Graph:
         wcat = _node(graph, new, "cat", ws, {"axis": 0}, (width, ws[0].shape[1]), x)
         wt = _node(graph, new, "permute", [wcat], {"axes": (1, 0)}, (ws[0].shape[1], width), x)
         both = _node(graph, new, "matmul", [x, wt], {}, (x.shape[0], width), x)
-        for mm, start, size in zip(mms, starts, sizes):
-            replace[mm.id] = _node(graph, new, "getitem", [both],
-                                   {"key": _block(both, start, start + size, 1)}, mm.shape, x)
+        if bs[0] is not None:  # the biases side by side, added once
+            bcat = _node(graph, new, "cat", bs, {"axis": 0}, (width,), x)
+            both = _node(graph, new, "add", [both, bcat], {}, both.shape, x)
+        for out, start, size in zip(outs, starts, sizes):
+            replace[out.id] = _node(graph, new, "getitem", [both],
+                                    {"key": _block(both, start, start + size, 1)}, out.shape, x)
         after.setdefault(graph.nodes[first - 1].id if first else -1, []).extend(new)
         _merge_backward(graph, mms, x, wcat, starts, sizes, users, replace, after)
     if not replace:

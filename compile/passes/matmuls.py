@@ -12,9 +12,8 @@ call's packing and set-up; benchmarks/gpt_step.py: ~2% of the TP=2 step on an AV
 at the cost of copying the weights (and in the backward the output gradients) side by side.
 The projections are then column blocks of one result (with their biases side by side added
 once), views whose rows are the merged width apart: merged only where every reader takes such
-a block as it lies (a GEMM, attention). The
-input gradient's sum runs inside one GEMM instead of two adds: the same terms, summed in
-another order (equal to float32 rounding).
+a block as it lies (a GEMM, attention). The input gradient's sum runs inside one GEMM
+instead of two adds: the same terms, summed in another order (equal to float32 rounding).
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ summed: the machine's GEMM rate). Under
 dtlaunch the model goes through dtensor.parallel.parallelize on a (dp, tp) mesh, and the line
 also gives the collectives per step (count and bytes by kind, from the debug counter) next to
 Megatron-LM's figures for the same layout (``megatron_bytes``, ``megatron_counts``,
-``bytes_ratio``). ``--model llama`` runs the same step on a Llama of the same width (SwiGLU
+``bytes_ratio``). ``--bias`` gives the GPT's Linear and LayerNorm layers biases (GPT-2's
+own layout). ``--model llama`` runs the same step on a Llama of the same width (SwiGLU
 hidden 688, ``--kv-heads`` key/value heads, RMSNorm, rotary positions). With --compile
 the step runs through dtensor.compile (``--backend``: numpy, c or triton; ``compile_s``:
 tracing, passes, codegen and the C compiler's run if its library was not cached, summed over
@@ -193,7 +194,7 @@ def _model(args):
     if args.model == "gpt":
         return dtensor.nn.GPT, dtensor.nn.GPTConfig(
             vocab_size=args.vocab, n_layer=args.n_layer, n_embd=C, n_head=args.n_head,
-            mlp_hidden=4 * C, block_size=args.seq, bias=False, dropout=0.0)
+            mlp_hidden=4 * C, block_size=args.seq, bias=args.bias, dropout=0.0)
     return dtensor.nn.Llama, dtensor.nn.LlamaConfig(
         vocab_size=args.vocab, dim=C, n_layers=args.n_layer, n_heads=args.n_head,
         n_kv_heads=args.kv_heads, hidden_dim=-(-8 * C // 3 // 16) * 16, max_seq_len=args.seq)
@@ -223,6 +224,7 @@ def main() -> None:
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256, help="width (GPT's MLP is 4x)")
     ap.add_argument("--n-head", type=int, default=8)
+    ap.add_argument("--bias", action="store_true", help="GPT's Linear and LayerNorm biases")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

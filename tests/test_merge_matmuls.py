@@ -8,7 +8,8 @@ weight gradients. Models: a GPT (q, k, v), the same with biases (added once, sid
 one written for this test with other names (three towers whose outputs are multiplied), the
 same with a skip connection (the input's gradient then has a fourth term, so the backward
 stays as it was), one whose second weight is computed after the first GEMM (it stays out, and
-so does the backward, whose sum has its term), and a Llama, whose q, k (rotary) and gate/up
+so does the backward, whose sum has its term), one whose third projection runs after the
+first two are read (it stays out), and a Llama, whose q, k (rotary) and gate/up
 (SwiGLU) are read by element-wise kernels, which would copy the strided blocks first: nothing
 merges there.
 """
@@ -29,21 +30,23 @@ class Towers(Module):
     """Three projections of h = stem(x) (query_tower, key_tower, value_tower) combined by
     matmuls (h has a gradient, as every layer's input but the first)."""
 
-    def __init__(self, skip: bool = False, late: bool = False):
+    def __init__(self, skip: bool = False, late: bool = False, apart: bool = False):
         super().__init__()
         self.stem = Linear(WIDTH, WIDTH)
         self.query_tower = Linear(WIDTH, WIDTH, bias=False)
         self.key_tower = Linear(WIDTH, WIDTH, bias=False)
         self.value_tower = Linear(WIDTH, WIDTH, bias=False)
-        self.skip, self.late = skip, late
+        self.skip, self.late, self.apart = skip, late, apart
 
     def forward(self, x, y):
         h = self.stem(x)
         a = self.query_tower(h)
         # late: the weight is computed after a's GEMM, so b's does not merge
         b = F.linear(h, self.key_tower.weight * 0.5) if self.late else self.key_tower(h)
+        c = None if self.apart else self.value_tower(h)
         scores = a @ b.transpose(-1, -2) * (1.0 / WIDTH)
-        out = scores @ self.value_tower(h)
+        # apart: c's GEMM runs after a and b are read, so it stays out of their GEMM
+        out = scores @ (self.value_tower(h) if c is None else c)
         if self.skip:
             out = out + h  # h's gradient: three GEMMs' terms and this one
         with dtensor.implicit_replication():  # y is a plain tensor; out a DTensor under tp
@@ -68,6 +71,8 @@ MODELS = {
     "towers_skip": (lambda: Towers(skip=True), False, 2),
     # q and v merge (2 -> 1) forward; h's gradient sums k's term too: that backward stays
     "towers_late": (lambda: Towers(late=True), False, 1),
+    # q and k merge (2 -> 1), forward and backward (autograd adds their terms first)
+    "towers_apart": (lambda: Towers(apart=True), False, 3),
     "llama": (llama, True, 0),
 }
 
@@ -159,3 +164,45 @@ def test_gpt_two_d_layouts_merge(sp, rank):
     _assert_close(merged, eager)
     reference = _run("gpt", "numpy", tp=2, dp=2, sp=sp)
     assert _gemms(merged[2]) == _gemms(reference[2]) - MODELS["gpt"][2]
+
+
+class Pair(Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Linear(8, 6, bias=False), Linear(8, 4, bias=False)
+
+
+def _fed_in(m, x, ga, gb):
+    """The siblings' output gradients arrive as inputs (a pipeline stage's backward)."""
+    a, b = m.a(x), m.b(x)
+    a.backward(ga)
+    b.backward(gb)
+    return a, b, x.grad, m.a.weight.grad, m.b.weight.grad
+
+
+def _broadcast_sum(m, x, ga, gb):
+    """x's two gradient terms summed by an add that broadcasts, not as x's gradient."""
+    a, b = m.a(x), m.b(x)
+    a.backward(ga * 2.0)
+    g1, x.grad = x.grad, None
+    b.backward(gb * 3.0)
+    return a, b, g1.reshape(5, 1, 8) + x.grad.reshape(1, 5, 8)
+
+
+@pytest.mark.parametrize("step", [_fed_in, _broadcast_sum])
+def test_backward_shapes_it_leaves_alone(step):
+    """Gradient graphs the backward merge must not take (a gradient that is a graph input; a
+    sum whose add broadcasts): they compile, forward merged, and equal eager."""
+    rng = np.random.default_rng(0)
+    xs, ga, gb = (rng.standard_normal(s).astype(np.float32) for s in ((5, 8), (5, 6), (5, 4)))
+    outs = []
+    for backend in (None, "c"):
+        dtensor.manual_seed(0)
+        m = Pair()
+        x = dtensor.Tensor(xs.copy(), requires_grad=True)
+        fn = (lambda x, ga, gb: step(m, x, ga, gb))
+        run = fn if backend is None else dtensor.compile(fn, backend=backend)
+        outs.append([t.numpy() for t in run(x, dtensor.Tensor(ga), dtensor.Tensor(gb))])
+    assert sum(n.name == "cat" for n in run.last.graph.nodes) == 1  # the weights, forward
+    for got, want in zip(outs[1], outs[0]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

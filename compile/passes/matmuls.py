@@ -17,6 +17,8 @@ instead of two adds: the same terms, summed in another order (equal to float32 r
 """
 from __future__ import annotations
 
+import math
+
 from dtensor.compile.passes.simplify import dce
 from dtensor.graph import Graph, Node
 from dtensor.ops.registry import OPS
@@ -94,12 +96,15 @@ def _node(graph: Graph, made: list, name: str, inputs, params: dict, shape, like
     return n
 
 
-def _sum_of(root, leaves: set) -> bool:
+def _sum_of(root, leaves: set, size: int) -> bool:
     """Whether ``root`` is an add tree (through reshapes) whose leaves are exactly ``leaves``
-    (node ids), each reached once: the sum its value is."""
+    (node ids), each reached once, every value in it ``size`` elements (no add broadcasts):
+    the sum its value is."""
     seen = []
 
     def walk(n, inner: bool) -> bool:
+        if math.prod(n.shape) != size:
+            return False
         if n.id in leaves:
             seen.append(n.id)
             return True
@@ -111,10 +116,10 @@ def _sum_of(root, leaves: set) -> bool:
 
 
 def merge_matmuls(graph: Graph) -> Graph:
-    """Merge each group of at least two ``x @ W^T`` (``+ b``) with the same x (whose weights and
-    biases exist where the group's first matmul runs), then their input and weight gradients
-    where the backward holds them whole: ``g_i @ W_i`` summed by adds and nothing else, and
-    ``g_i^T @ x``."""
+    """Merge each run of at least two ``x @ W^T`` (``+ b``) with the same x that all run before
+    any of them is read (whose weights and biases exist where the run's first matmul runs),
+    then their input and weight gradients where the backward holds them whole: ``g_i @ W_i``
+    summed by element-wise adds and nothing else, and ``g_i^T @ x``."""
     index = {n.id: i for i, n in enumerate(graph.nodes)}
     groups: dict = {}
     users = graph.users()
@@ -128,7 +133,7 @@ def merge_matmuls(graph: Graph) -> Graph:
                 groups.setdefault(key, []).append((n, w, out, b))
     replace: dict[int, Node] = {}  # old node id -> the node now computing its value
     after: dict[int, list[Node]] = {}  # node id -> new nodes placed right after it
-    for members in groups.values():
+    for members in (run for group in groups.values() for run in _runs(group, index, users)):
         first = index[members[0][0].id]
         members = [(n, w, out, b) for n, w, out, b in members
                    if all(index.get(a.id, -1) < first for a in (w, b) if a is not None)]
@@ -164,6 +169,29 @@ def merge_matmuls(graph: Graph) -> Graph:
     return dce(graph)
 
 
+def _first_reader(n, index, users) -> int:
+    """Where the first reader of ``n``'s value that is not a view of it runs."""
+    found = len(index)
+    for u in users.get(n.id, ()):
+        found = min(found, _first_reader(u, index, users) if u.kind == "op" and u.name in _VIEWS
+                    else index[u.id])
+    return found
+
+
+def _runs(members, index, users) -> list:
+    """A group's members cut into runs of siblings that all run before any of them is read
+    (a layer's q, k and v), so that one merged GEMM does not hold a value read early (one
+    layer's) until a later member's reader (another layer's)."""
+    runs, limit = [], -1
+    for m in members:
+        if index[m[0].id] > limit:
+            runs.append([])
+            limit = len(index)
+        runs[-1].append(m)
+        limit = min(limit, _first_reader(m[2], index, users))
+    return runs
+
+
 def _merge_backward(graph, mms, x, wcat, starts, sizes, users, replace, after) -> None:
     """The backward of a merged group: for each matmul ``x @ W_i^T`` (``W_i^T`` the node wt_i),
     its output gradient g_i reaches ``g_i @ wt_i^T`` (into x's gradient) and ``g_i^T @ x``
@@ -189,10 +217,11 @@ def _merge_backward(graph, mms, x, wcat, starts, sizes, users, replace, after) -
         grads.append(g)
     leaves = {d.id for d in dx}
     roots = {u.id: u for d in dx for u in _adds_above(d, users)}
-    root = next((r for r in roots.values() if _sum_of(r, leaves)), None)
-    if root is None:
-        return
+    size = math.prod(dx[0].shape)
+    root = next((r for r in roots.values() if _sum_of(r, leaves, size)), None)
     index = {n.id: i for i, n in enumerate(graph.nodes)}
+    if root is None or any(g.id not in index for g in grads):  # (a gradient fed in: left)
+        return
     last = max(grads, key=lambda g: index[g.id])
     new: list[Node] = []
     rows, width = grads[0].shape[0], sum(sizes)

@@ -56,16 +56,18 @@ _STRIDED_READERS = ("matmul", "attention")
 _VIEWS = ("reshape", "permute")
 
 
-def _read_as_is(n, users) -> bool:
-    """Whether every reader of ``n``, through views, takes a strided operand as it lies."""
+def _readers(n, users) -> list:
+    """The nodes that read ``n``'s value, through its views."""
+    found = []
     for u in users.get(n.id, ()):
-        op = OPS.get(u.name)
-        if u.kind == "op" and u.name in _VIEWS:
-            if not _read_as_is(u, users):
-                return False
-        elif not (u.kind == "op" and op is not None and op.shard in _STRIDED_READERS):
-            return False
-    return True
+        found += _readers(u, users) if u.kind == "op" and u.name in _VIEWS else [u]
+    return found
+
+
+def _read_as_is(n, users) -> bool:
+    """Whether every reader of ``n`` takes a strided operand as it lies."""
+    return all(u.kind == "op" and u.name in OPS and OPS[u.name].shard in _STRIDED_READERS
+               for u in _readers(n, users))
 
 
 def _bias(mm, users) -> tuple:
@@ -86,14 +88,6 @@ def _block(node, start: int, stop: int, axis: int) -> tuple:
     key = [(0, node.shape[0], 1), (0, node.shape[1], 1)]
     key[axis] = (start, stop, 1)
     return tuple(key)
-
-
-def _node(graph: Graph, made: list, name: str, inputs, params: dict, shape, like: Node) -> Node:
-    """A new op node of ``like``'s dtype, appended to ``made``."""
-    n = Node(graph._next, "op", name, list(inputs), params, tuple(shape), like.dtype)
-    graph._next += 1
-    made.append(n)
-    return n
 
 
 def _sum_of(root, leaves: set, size: int) -> bool:
@@ -120,7 +114,8 @@ def merge_matmuls(graph: Graph) -> Graph:
     any of them is read (whose weights and biases exist where the run's first matmul runs),
     then their input and weight gradients where the backward holds them whole: ``g_i @ W_i``
     summed by element-wise adds and nothing else, and ``g_i^T @ x``."""
-    index = {n.id: i for i, n in enumerate(graph.nodes)}
+    original = list(graph.nodes)  # Graph.new appends the merged nodes; placed below
+    index = {n.id: i for i, n in enumerate(original)}
     groups: dict = {}
     users = graph.users()
     for n in graph.nodes:
@@ -143,23 +138,22 @@ def merge_matmuls(graph: Graph) -> Graph:
         x = mms[0].inputs[0]
         sizes = [w.shape[0] for w in ws]
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
-        width = sum(sizes)
-        new: list[Node] = []
-        wcat = _node(graph, new, "cat", ws, {"axis": 0}, (width, ws[0].shape[1]), x)
-        wt = _node(graph, new, "permute", [wcat], {"axes": (1, 0)}, (ws[0].shape[1], width), x)
-        both = _node(graph, new, "matmul", [x, wt], {}, (x.shape[0], width), x)
+        width, mark = sum(sizes), len(graph.nodes)
+        wcat = graph.new("op", "cat", ws, {"axis": 0}, (width, ws[0].shape[1]), x.dtype)
+        wt = graph.new("op", "permute", [wcat], {"axes": (1, 0)}, wcat.shape[::-1], x.dtype)
+        both = graph.new("op", "matmul", [x, wt], {}, (x.shape[0], width), x.dtype)
         if bs[0] is not None:  # the biases side by side, added once
-            bcat = _node(graph, new, "cat", bs, {"axis": 0}, (width,), x)
-            both = _node(graph, new, "add", [both, bcat], {}, both.shape, x)
+            bcat = graph.new("op", "cat", bs, {"axis": 0}, (width,), x.dtype)
+            both = graph.new("op", "add", [both, bcat], {}, both.shape, x.dtype)
         for out, start, size in zip(outs, starts, sizes):
-            replace[out.id] = _node(graph, new, "getitem", [both],
-                                    {"key": _block(both, start, start + size, 1)}, out.shape, x)
-        after.setdefault(graph.nodes[first - 1].id if first else -1, []).extend(new)
-        _merge_backward(graph, mms, x, wcat, starts, sizes, users, replace, after)
+            replace[out.id] = graph.new("op", "getitem", [both], {
+                "key": _block(both, start, start + size, 1)}, out.shape, x.dtype)
+        after.setdefault(original[first - 1].id if first else -1, []).extend(graph.nodes[mark:])
+        _merge_backward(graph, mms, x, wcat, starts, sizes, index, users, replace, after)
     if not replace:
         return graph
     nodes = after.get(-1, [])
-    for n in graph.nodes:
+    for n in original:
         nodes.append(n)
         nodes.extend(after.get(n.id, ()))
     for n in nodes:
@@ -167,15 +161,6 @@ def merge_matmuls(graph: Graph) -> Graph:
     graph.outputs = [replace.get(o.id, o) if isinstance(o, Node) else o for o in graph.outputs]
     graph.nodes = _in_order(graph, [n for n in nodes if n.id not in replace])
     return dce(graph)
-
-
-def _first_reader(n, index, users) -> int:
-    """Where the first reader of ``n``'s value that is not a view of it runs."""
-    found = len(index)
-    for u in users.get(n.id, ()):
-        found = min(found, _first_reader(u, index, users) if u.kind == "op" and u.name in _VIEWS
-                    else index[u.id])
-    return found
 
 
 def _runs(members, index, users) -> list:
@@ -188,11 +173,11 @@ def _runs(members, index, users) -> list:
             runs.append([])
             limit = len(index)
         runs[-1].append(m)
-        limit = min(limit, _first_reader(m[2], index, users))
+        limit = min([limit] + [index[u.id] for u in _readers(m[2], users)])
     return runs
 
 
-def _merge_backward(graph, mms, x, wcat, starts, sizes, users, replace, after) -> None:
+def _merge_backward(graph, mms, x, wcat, starts, sizes, index, users, replace, after) -> None:
     """The backward of a merged group: for each matmul ``x @ W_i^T`` (``W_i^T`` the node wt_i),
     its output gradient g_i reaches ``g_i @ wt_i^T`` (into x's gradient) and ``g_i^T @ x``
     (W_i's). Merged when every g_i has both and the first kind are summed by adds alone."""
@@ -219,22 +204,20 @@ def _merge_backward(graph, mms, x, wcat, starts, sizes, users, replace, after) -
     roots = {u.id: u for d in dx for u in _adds_above(d, users)}
     size = math.prod(dx[0].shape)
     root = next((r for r in roots.values() if _sum_of(r, leaves, size)), None)
-    index = {n.id: i for i, n in enumerate(graph.nodes)}
     if root is None or any(g.id not in index for g in grads):  # (a gradient fed in: left)
         return
     last = max(grads, key=lambda g: index[g.id])
-    new: list[Node] = []
-    rows, width = grads[0].shape[0], sum(sizes)
-    gcat = _node(graph, new, "cat", grads, {"axis": 1}, (rows, width), x)
-    dx_all = _node(graph, new, "matmul", [gcat, wcat], {}, (rows, wcat.shape[1]), x)
-    replace[root.id] = _node(graph, new, "reshape", [dx_all], {"shape": tuple(root.shape)},
-                             root.shape, x)
-    gt = _node(graph, new, "permute", [gcat], {"axes": (1, 0)}, (width, rows), x)
-    dw_all = _node(graph, new, "matmul", [gt, x], {}, (width, x.shape[1]), x)
+    rows, width, mark = grads[0].shape[0], sum(sizes), len(graph.nodes)
+    gcat = graph.new("op", "cat", grads, {"axis": 1}, (rows, width), x.dtype)
+    dx_all = graph.new("op", "matmul", [gcat, wcat], {}, (rows, wcat.shape[1]), x.dtype)
+    replace[root.id] = graph.new("op", "reshape", [dx_all], {"shape": tuple(root.shape)},
+                                 root.shape, x.dtype)
+    gt = graph.new("op", "permute", [gcat], {"axes": (1, 0)}, (width, rows), x.dtype)
+    dw_all = graph.new("op", "matmul", [gt, x], {}, (width, x.shape[1]), x.dtype)
     for m, start, size in zip(dw, starts, sizes):
-        replace[m.id] = _node(graph, new, "getitem", [dw_all],
-                              {"key": _block(dw_all, start, start + size, 0)}, m.shape, x)
-    after.setdefault(last.id, []).extend(new)
+        replace[m.id] = graph.new("op", "getitem", [dw_all], {
+            "key": _block(dw_all, start, start + size, 0)}, m.shape, x.dtype)
+    after.setdefault(last.id, []).extend(graph.nodes[mark:])
 
 
 def _adds_above(n, users) -> list:

@@ -20,6 +20,7 @@ import pytest
 
 import dtensor
 import dtensor.nn.functional as F
+from dtensor.comm import count_collectives
 from dtensor.nn import GPT, GPTConfig, Linear, Llama, LlamaConfig, Module
 
 BACKENDS = ["c", "triton"]
@@ -86,7 +87,8 @@ def _data(tokens: bool, step: int):
 
 
 def _run(name: str, backend, tp: int = 1, dp: int = 1, sp: bool = False):
-    """Losses and whole parameters after two AdamW steps, and the step (None: eager)."""
+    """Losses and whole parameters after two AdamW steps, the step (None: eager) and the last
+    step's collectives (count and bytes by kind)."""
     make, tokens, _ = MODELS[name]
     dtensor.manual_seed(0)
     model = make()
@@ -109,10 +111,13 @@ def _run(name: str, backend, tp: int = 1, dp: int = 1, sp: bool = False):
         return loss
 
     run = train_step if backend is None else dtensor.compile(train_step, backend=backend)
-    losses = [run(*_data(tokens, step)).item() for step in range(2)]
+    losses = []
+    for step in range(2):
+        with count_collectives() as log:
+            losses.append(run(*_data(tokens, step)).item())
     params = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).numpy()
               for k, v in model.state_dict().items()}
-    return losses, params, None if backend is None else run
+    return losses, params, None if backend is None else run, log.summary()
 
 
 def _gemms(run) -> int:
@@ -152,6 +157,7 @@ def test_tensor_parallel_siblings_merge(name, saved, rank):
     _assert_close(merged, eager)
     reference = _run(name, "numpy", tp=2)
     assert _gemms(merged[2]) == _gemms(reference[2]) - saved
+    assert merged[3] == reference[3] and merged[3]["all_reduce"][0] > 0  # the same collectives
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -164,6 +170,7 @@ def test_gpt_two_d_layouts_merge(sp, rank):
     _assert_close(merged, eager)
     reference = _run("gpt", "numpy", tp=2, dp=2, sp=sp)
     assert _gemms(merged[2]) == _gemms(reference[2]) - MODELS["gpt"][2]
+    assert merged[3] == reference[3]  # the same collectives, count and bytes by kind
 
 
 class Pair(Module):

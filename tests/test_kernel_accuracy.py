@@ -214,6 +214,7 @@ def test_eager_is_within_the_bound_of_float64(case):
 #   log_softmax    eps (k + |x_i - m| + |log S| + n)
 #   normalize      eps (k + n max|x| / sigma) (|y_i| + 1)   the mean's rounding against sigma
 #   cross-entropy  eps (k + |m| + |log S| + |x_t| + n)
+#   logsumexp      eps (k + |m| + |log S| + n)
 # backward ops add the row sum of |g| y (or |g|) the same way. Doubled: both sides round.
 
 _N = 67
@@ -259,6 +260,11 @@ def _normalize_bound(x, g=None):
     return 2 * EPS * b
 
 
+def _lse_bound(x):
+    m, s = _soft(x.astype(np.float64))
+    return 2 * EPS * (4 + np.abs(m) + np.abs(np.log(s)) + _N)[:, 0]
+
+
 def _ce_bound(x, t, g=None):
     x = x.astype(np.float64)
     m, s = _soft(x)
@@ -285,6 +291,7 @@ ROWS = {  # id: (op, params, inputs, bound(inputs))
     "normalize_backward": ("normalize_backward", {"eps": 1e-5},
                            lambda: [_G, _rows(1.0, 1000.0)],
                            lambda g, x: _normalize_bound(x, g)),
+    "logsumexp": ("logsumexp", {}, lambda: [_rows(30)], _lse_bound),
     "softmax_cross_entropy": ("softmax_cross_entropy", {}, lambda: [_rows(30), _T],
                               lambda x, t: _ce_bound(x, t)),
     "softmax_cross_entropy_backward": ("softmax_cross_entropy_backward", {},

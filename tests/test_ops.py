@@ -237,6 +237,7 @@ SAMPLES = {
     "softmax_backward": [((r(3, 5), _np_softmax(r(3, 5))), {})],
     "log_softmax": [((r(3, 5),), {}), ((3 * r(2, 3, 7),), {})],
     "log_softmax_backward": [((r(3, 5), _np_log_softmax(r(3, 5))), {})],
+    "logsumexp": [((3 * r(5, 7),), {}), ((r(2, 3, 4),), {}), ((30 * r(4, 9),), {})],
     "softmax_cross_entropy": [((3 * r(5, 7), ints(7, 5)), {}), ((r(2, 3, 4), ints(4, 2, 3)), {})],
     "softmax_cross_entropy_backward": [((r(5), 3 * r(5, 7), ints(7, 5)), {}),
                                        ((r(2, 3), r(2, 3, 4), ints(4, 2, 3)), {})],
@@ -288,6 +289,7 @@ REFERENCE = {
     "log_softmax": _np_log_softmax,
     "softmax_backward": lambda g, y: y * (g - (g * y).sum(-1, keepdims=True)),
     "log_softmax_backward": lambda g, lp: g - np.exp(lp) * g.sum(-1, keepdims=True),
+    "logsumexp": lambda x: x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)),
     "softmax_cross_entropy": lambda x, t: -np.take_along_axis(
         _np_log_softmax(x), t[..., None], -1)[..., 0],
     "softmax_cross_entropy_backward": lambda g, x, t: g[..., None] * (
@@ -392,6 +394,9 @@ COMPOSITES = {
     "log_softmax": (lambda x: dtensor.nn.functional.log_softmax(x, 1),
                     lambda x: x - x.max(1, keepdims=True) -
                     (x - x.max(1, keepdims=True)).exp().sum(1, keepdims=True).log()),
+    "logsumexp": (lambda x: OPS["logsumexp"](x),
+                  lambda x: (x - x.max(-1, keepdims=True)).exp().sum(-1).log()
+                  + x.max(-1)),
     "softmax_cross_entropy": (
         lambda x: OPS["softmax_cross_entropy"](x, dtensor.Tensor(_TARGETS)),
         lambda x: -OPS["gather"](dtensor.nn.functional.log_softmax(x, -1),
@@ -445,6 +450,7 @@ _BLOCKED = {  # the cache-blocked kernels (dtensor/ops/blockwise.py), on arrays 
     "log_softmax_backward": lambda x, t: [x, -np.abs(x)],
     "normalize": lambda x, t: [x],
     "normalize_backward": lambda x, t: [x[::-1].copy(), x],
+    "logsumexp": lambda x, t: [x],
     "softmax_cross_entropy": lambda x, t: [x, t],
     "softmax_cross_entropy_backward": lambda x, t: [x[..., 0], x, t],
     "adamw_step": lambda x, t: [x, x[::-1].copy(), 0.1 * x, x * x],

@@ -585,10 +585,11 @@ def _cross_entropy_abstract(x, target):
 # of the (rows, classes) size stored in between.
 def _cross_entropy_lower(x, target, g=None):
     """Per row: logsumexp(x) - x[target]; with g (one per row), g (softmax(x) - onehot)."""
-    e = K.exp(x - K.rowmax(x))
+    m = K.rowmax(x)
     if g is not None:
+        e = K.exp(x - m)
         return e * (g / K.rowsum(e)) - K.where(K.eq(K.col, target), g, 0.0)
-    return (K.log(K.rowsum(e)) + K.rowmax(x)) - K.rowsum(K.where(K.eq(K.col, target), x, 0.0))
+    return _lse_lower(x, m) - K.rowsum(K.where(K.eq(K.col, target), x, 0.0))
 
 
 softmax_cross_entropy = defop(
@@ -602,6 +603,44 @@ softmax_cross_entropy_backward = defop(
     abstract=lambda g, x, target: Aval(tuple(x.shape), x.dtype), shard="rowwise",
     lower=lambda g, x, target: _cross_entropy_lower(x, target, g), nondiff=(2,),
     per_row=(0, 2), check=lambda g, x, target: logit_rows(x, target))
+
+# log sum_j exp(x_j) per row: a vocab-parallel cross-entropy's per-shard term (one pass over
+# the logits, nothing of their size stored). Its gradient exp(x - out) g is pointwise ops, so a
+# compiled backward fuses it into one kernel that may write over the logits where they die.
+def _logsumexp_impl(x):
+    xs = _contig(x).reshape(-1, x.shape[-1])
+    out = np.empty(xs.shape[0], x.dtype)
+    acc = accumulate_dtype(x.dtype)
+
+    def run(lo, hi):
+        m, s, _ = _lse_block(xs[lo:hi].astype(acc, copy=False))
+        np.log(s, out=s)
+        s += m
+        out[lo:hi] = s[:, 0]
+
+    blockwise.run_rows(run, xs.shape[0], xs.shape[1] * x.itemsize)
+    return out.reshape(x.shape[:-1])
+
+
+def _lse_lower(x, m):  # m: the row's max, one node (its passes are a kernel's costliest)
+    return K.log(K.rowsum(K.exp(x - m))) + m
+
+
+def _logsumexp_abstract(x):
+    if not x.shape or x.shape[-1] == 0:
+        raise ValueError(f"logsumexp: needs a last dim of at least one element, got shape "
+                         f"{tuple(x.shape)}.")
+    return Aval(tuple(x.shape[:-1]), x.dtype)
+
+
+def _logsumexp_vjp(g, out, x):
+    col = tuple(out.shape) + (1,)
+    return (g.reshape(col) * (x - out.reshape(col)).exp(),)
+
+
+logsumexp = defop(
+    "logsumexp", impl=_logsumexp_impl, abstract=_logsumexp_abstract, vjp=_logsumexp_vjp,
+    shard="rowwise", lower=lambda x: _lse_lower(x, K.rowmax(x)))
 
 # ---------------------------------------------------------------- AdamW update
 

@@ -2,9 +2,10 @@
 
 Inside the context, ``dtensor.nn.functional.cross_entropy`` on a DTensor whose class dim is
 sharded computes, per token, ``logsumexp(x) - x[target]`` from the vocab shards (Megatron's
-vocab-parallel cross-entropy): three all-reduces of one number per token forward (the max, the
-sum of exponentials, the target's logit) and none backward, where each rank's gradient
-``softmax - onehot`` stays on its own shard.
+vocab-parallel cross-entropy): each rank's log-sum-exp of its own classes, then three
+all-reduces of one number per token forward (the max of those, the sum of their exponentials,
+the target's logit) and none backward, where each rank's gradient ``softmax - onehot`` stays on
+its own shard.
 
 Example (logits of shape (N, V) placed [Shard(1)]):
     >>> with loss_parallel():
@@ -13,9 +14,12 @@ Example (logits of shape (N, V) placed [Shard(1)]):
 """
 from __future__ import annotations
 
+import math
+
 from dtensor._flag import Flag
 from dtensor.dtensor import DTensor, _redistribute, distribute_tensor
 from dtensor.nn import functional
+from dtensor.ops import nn as nnops
 from dtensor.ops import pointwise as pw
 from dtensor.ops import structural as st
 from dtensor.placements import Partial, Replicate, Shard
@@ -65,12 +69,20 @@ def target_like(target, logits: DTensor):
 def vocab_parallel_nll(x: DTensor, target: DTensor, valid: DTensor):
     """Per-token negative log-likelihood (0 where not ``valid``) of class-sharded logits
     ``x``; the result is whole (not Partial) over the class mesh dims."""
-    m = x.detach().max(-1, keepdims=True)  # all-reduce 1 (max); a constant for the gradient
-    # x - m feeds exp alone, so a compiled step fuses them and never stores it (the target's
-    # x - m below is the same float operation on the same two numbers)
-    lse = (x - m).exp().sum(-1).log()  # all-reduce 2 (sum of exponentials), before the log
+    # Each rank's log-sum-exp over its own classes: one pass over its block of logits, and
+    # nothing of their size kept for the backward (its gradient exp(x - lse) g is computed
+    # from the logits again). The ranks' terms, one a token, are the last dim of a DTensor
+    # sharded as the classes were: their log-sum-exp is the whole row's.
+    cls = x.ndim - 1
+    own = nnops.logsumexp(x.to_local())
+    blocks = math.prod(x.device_mesh.size(m) for m, p in enumerate(x.placements)
+                       if p == Shard(cls))
+    terms = DTensor.from_local(own.reshape(tuple(own.shape) + (1,)), x.device_mesh,
+                               x.placements, shape=tuple(x.shape[:-1]) + (blocks,))
+    m = terms.detach().max(-1, keepdims=True)  # all-reduce 1 (max); a constant for the gradient
+    lse = (terms - m).exp().sum(-1).log() + m.squeeze(-1)  # all-reduce 2 (sum of exponentials)
     safe = pw.where(valid, target, 0)  # an ignored row still needs an in-range index
-    picked = st.gather(x, safe.unsqueeze(-1), axis=x.ndim - 1).squeeze(-1) - m.squeeze(-1)
+    picked = st.gather(x, safe.unsqueeze(-1), axis=cls).squeeze(-1)
     # All-reduce 3: the target's logit lives on one rank. Reducing it here keeps the loss
     # per token whole (reduction="none" gives real values) and the backward free of
     # communication: the gradient of a redistribute from Partial passes through as it is.

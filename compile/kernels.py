@@ -12,6 +12,7 @@ build (dtensor/ops/expr.py). What the description settles for every renderer:
   row reductions must be complete before it can be computed). A renderer that streams a row
   (C) makes one pass per level; one that holds whole rows in a tile (Triton, numpy blocks)
   computes in program order;
+- each value once: equal subexpressions (a lower that spells rowmax(x) twice) are one node;
 - which inputs are read (a draw's template is not), and the call: contiguous arrays in, the
   output allocated or the memory plan's buffer, the op's own input check (``check``) first.
 """
@@ -148,7 +149,7 @@ class Kernel:
         op = ops[0][1] if len(ops) == 1 else None
         self.check = op.meta.get("check") if op is not None else None
         per_row = op.meta.get("per_row", ()) if op is not None else ()
-        root = expression(ops)
+        root = X.shared(expression(ops))
         self.causal = root.prim == "causal"
         self.root = root.args[0] if self.causal else root
         self.nodes = X.topo([self.root])

@@ -54,6 +54,25 @@ def test_exp_is_within_two_ulp_over_the_float_range():
     assert np.isnan(got[-1]) and got[-3] == np.inf and got[-2] == 0
 
 
+def test_a_kernel_computes_an_expression_spelled_twice_once(monkeypatch):
+    """Equal subexpressions are one node of a kernel (expr.shared): a lower spelling
+    rowmax(x) twice runs one max reduction over the row; constants of another sign or type,
+    and draws of other keys, stay apart. The result is unchanged."""
+    from dtensor.ops import expr as K
+    x = K.E("in", (), 0)
+    one = K.shared(K.rowmax(x) + K.rowmax(x) + K.lift(0.0) * K.lift(-0.0)
+                   + K.lift(1) * K.lift(1.0) + K.rand(x, "key0") - K.rand(x, "key1"))
+    prims = [e.prim for e in K.topo([one])]
+    assert prims.count("rowmax") == 1 and prims.count("const") == 4 and prims.count("rand") == 2
+    monkeypatch.setattr(nnops.logsumexp, "lower",
+                        lambda x: K.log(K.rowsum(K.exp(x - K.rowmax(x)))) + K.rowmax(x))
+    xs = 30 * np.random.default_rng(0).standard_normal((5, 37)).astype(np.float32)
+    (got,), ks = compiled(lambda t: (nnops.logsumexp(t),), xs)
+    source = "".join(last.kernels[k.id].source for k in ks)
+    assert source.count("= {-INFINITY") == 1, source  # one max reduction's lanes
+    np.testing.assert_allclose(got, nnops.logsumexp.impl(xs), rtol=1e-6)
+
+
 def _sign_cases():
     from dtensor.ops import expr as K
     x, y = K.E("in", (), 0), K.E("in", (), 1)

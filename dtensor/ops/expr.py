@@ -111,3 +111,18 @@ def topo(roots) -> list:
     for r in roots:
         visit(r)
     return order
+
+
+def shared(root: E) -> E:
+    """``root`` with equal subexpressions made one node (hash-consing, arguments first), so a
+    kernel computes each once: a lower that spells rowmax(x) twice would otherwise make its
+    kernel run two reductions over the row. Equal: same primitive, same attribute as written
+    (repr: 0.0 and -0.0 stay apart) and the same argument nodes."""
+    canon, memo = {}, {}
+    for e in topo([root]):
+        args = tuple(memo[id(a)] for a in e.args)
+        key = (e.prim, repr(e.attr), tuple(map(id, args)))
+        if key not in canon:
+            canon[key] = e if args == e.args else E(e.prim, args, e.attr)
+        memo[id(e)] = canon[key]
+    return memo[id(root)]

@@ -167,8 +167,8 @@ class _Kernel(kernels.Kernel):
                for k, lay in enumerate(self.inputs)]
         keys = "".join(f", uint64_t {key}" for key in self.keys)
         C, L = self.C, self.L
-        # element-wise with an exp a column: bound by arithmetic, built for the widest vectors
-        wide = inplace and any(e.prim == "exp" for e in self.nodes)
+        # an exp a column: bound by arithmetic, built for the widest vectors (c_prelude.c)
+        wide = any(e.prim == "exp" for e in self.nodes)
         lines = [f"/* {self.label} */",
                  f"{'DT_WIDE ' * wide}void {name}({', '.join(ins + [f'{T} *{restrict}out'])}, "
                  f"int64_t r0, int64_t r1{keys}) {{", "    for (int64_t r = r0; r < r1; r++) {"]

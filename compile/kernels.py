@@ -107,9 +107,11 @@ def members(n: Node):
             refs.append(("in", len(arrays)))
             arrays.append((None, offsets))
             params["offset"] = None
-    if op.shard in ("rowwise", "reduce"):  # the rows are its input's
+    if op.shard in ("rowwise", "reduce", "row_reduce"):  # the rows are its input's
         x = max((a for _, a in arrays), key=lambda a: len(a.shape))
         shape = tuple(x.shape)
+        if not shape[-1]:  # rows of nothing: the op's own impl gives the reduction's identity
+            return None
     else:
         shape = tuple(n.shape)
     ops = [(n.name, op, refs, params)]

@@ -304,6 +304,15 @@ def _rowwise(avals, params, out, *_):
     return [([Shard(d)] * len(avals), Shard(d)) for d in range(free)] + [([R] * len(avals), R)]
 
 
+def _row_reduce(avals, params, out, *_):
+    # A reduction over the last dim of the first input whose other inputs hold one value per
+    # row ((..., 1) columns; sum_exp): the row dims shard alike; with the last dim sharded each
+    # rank reduces its block, a Partial(sum) of the whole row's, the per-row inputs whole.
+    free, rest = len(avals[0].shape) - 1, len(avals) - 1
+    return ([([Shard(d)] * len(avals), Shard(d)) for d in range(free)]
+            + [([Shard(free)] + [R] * rest, Partial("sum")), ([R] * len(avals), R)])
+
+
 def _pointwise_stacked(avals, params, out, *_):
     nd = len(avals[0].shape)
     return [([Shard(d)] * len(avals), Shard(d + 1)) for d in range(nd)] + [([R] * len(avals), R)]
@@ -313,7 +322,7 @@ RULES = {
     "pointwise": _pointwise, "matmul": _matmul, "reshape": _reshape, "permute": _permute,
     "broadcast": _broadcast, "getitem": _getitem, "slice_scatter": _slice_scatter, "cat": _cat,
     "index_select": _index_select, "index_add": _index_add, "gather": _gather,
-    "scatter_add": _scatter_add, "rowwise": _rowwise,
+    "scatter_add": _scatter_add, "rowwise": _rowwise, "row_reduce": _row_reduce,
     "pointwise_stacked": _pointwise_stacked, "reduce": _reduce, "factory": _factory,
     "along": _along, "matrix": _matrix, "attention": _attention, "repeat": _repeat,
     "group_sum": _group_sum,

@@ -132,8 +132,8 @@ def test_every_lower_is_an_expression_a_kernel_reads():
     backend reads."""
     lowered = {name: op.shard for name, op in OPS.items() if op.lower is not None}
     assert all(callable(OPS[name].lower) for name in lowered)
-    assert set(lowered.values()) == {"pointwise", "rowwise", "reduce", "factory",
-                                     "pointwise_stacked"}
+    assert set(lowered.values()) == {"pointwise", "rowwise", "row_reduce", "reduce",
+                                     "factory", "pointwise_stacked"}
     assert [n for n, shard in lowered.items() if shard == "pointwise_stacked"] == ["adamw_step"]
 
 
@@ -214,7 +214,7 @@ def test_eager_is_within_the_bound_of_float64(case):
 #   log_softmax    eps (k + |x_i - m| + |log S| + n)
 #   normalize      eps (k + n max|x| / sigma) (|y_i| + 1)   the mean's rounding against sigma
 #   cross-entropy  eps (k + |m| + |log S| + |x_t| + n)
-#   logsumexp      eps (k + |m| + |log S| + n)
+#   sum_exp        eps (k + |x_i - m| + n) S  (exp(x_i - m) <= 1 each)
 # backward ops add the row sum of |g| y (or |g|) the same way. Doubled: both sides round.
 
 _N = 67
@@ -260,9 +260,9 @@ def _normalize_bound(x, g=None):
     return 2 * EPS * b
 
 
-def _lse_bound(x):
-    m, s = _soft(x.astype(np.float64))
-    return 2 * EPS * (4 + np.abs(m) + np.abs(np.log(s)) + _N)[:, 0]
+def _sum_exp_bound(x, m):
+    x = x.astype(np.float64)
+    return 2 * EPS * ((4 + np.abs(x - m) + _N) * np.exp(x - m)).sum(-1)
 
 
 def _ce_bound(x, t, g=None):
@@ -291,7 +291,8 @@ ROWS = {  # id: (op, params, inputs, bound(inputs))
     "normalize_backward": ("normalize_backward", {"eps": 1e-5},
                            lambda: [_G, _rows(1.0, 1000.0)],
                            lambda g, x: _normalize_bound(x, g)),
-    "logsumexp": ("logsumexp", {}, lambda: [_rows(30)], _lse_bound),
+    "sum_exp": ("sum_exp", {}, lambda: [_rows(30), _rows(30).max(-1, keepdims=True)],
+                _sum_exp_bound),
     "softmax_cross_entropy": ("softmax_cross_entropy", {}, lambda: [_rows(30), _T],
                               lambda x, t: _ce_bound(x, t)),
     "softmax_cross_entropy_backward": ("softmax_cross_entropy_backward", {},
@@ -313,7 +314,8 @@ def _logp_of(x):
 
 
 def test_every_row_kernel_has_a_case():
-    rows = {name for name, op in OPS.items() if op.lower and op.shard == "rowwise"}
+    rows = {name for name, op in OPS.items()
+            if op.lower and op.shard in ("rowwise", "row_reduce")}
     assert rows == {c[0] for c in ROWS.values()}
 
 

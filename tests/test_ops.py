@@ -164,6 +164,7 @@ BIN = [((r(3, 4), r(3, 4)), {}), ((r(3, 4), r(4)), {}), ((r(2, 1, 4), r(3, 1)), 
 CMP = [((r(3, 4), r(4)), {}), ((r(3, 4), 0.0), {})]
 U = [((r(3, 4),), {})]
 
+_WIDE = 30 * r(4, 9)  # rows of a large spread, less their max: exps from 1 down to 0
 SAMPLES = {
     "add": BIN, "sub": BIN, "mul": BIN, "maximum": BIN[:3],
     "div": [((r(3, 4), r(3, 4, pos=True)), {}), ((r(2, 3), r(3, pos=True)), {}),
@@ -237,7 +238,9 @@ SAMPLES = {
     "softmax_backward": [((r(3, 5), _np_softmax(r(3, 5))), {})],
     "log_softmax": [((r(3, 5),), {}), ((3 * r(2, 3, 7),), {})],
     "log_softmax_backward": [((r(3, 5), _np_log_softmax(r(3, 5))), {})],
-    "logsumexp": [((3 * r(5, 7),), {}), ((r(2, 3, 4),), {}), ((30 * r(4, 9),), {})],
+    "sum_exp": [((3 * r(5, 7), 3 * r(5, 1)), {}), ((r(2, 3, 4), r(2, 3, 1)), {}),
+                ((_WIDE, _WIDE.max(-1, keepdims=True)), {}),
+                ((r(3, 0), r(3, 1)), {})],
     "softmax_cross_entropy": [((3 * r(5, 7), ints(7, 5)), {}), ((r(2, 3, 4), ints(4, 2, 3)), {})],
     "softmax_cross_entropy_backward": [((r(5), 3 * r(5, 7), ints(7, 5)), {}),
                                        ((r(2, 3), r(2, 3, 4), ints(4, 2, 3)), {})],
@@ -289,7 +292,7 @@ REFERENCE = {
     "log_softmax": _np_log_softmax,
     "softmax_backward": lambda g, y: y * (g - (g * y).sum(-1, keepdims=True)),
     "log_softmax_backward": lambda g, lp: g - np.exp(lp) * g.sum(-1, keepdims=True),
-    "logsumexp": lambda x: x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)),
+    "sum_exp": lambda x, m: np.exp(x - m).sum(-1),
     "softmax_cross_entropy": lambda x, t: -np.take_along_axis(
         _np_log_softmax(x), t[..., None], -1)[..., 0],
     "softmax_cross_entropy_backward": lambda g, x, t: g[..., None] * (
@@ -382,6 +385,7 @@ def test_max_ties_share_the_gradient():
 
 # The direct-rule nn ops against the composites of primitives they replace: values and grads.
 _TARGETS = ints(6, 3, 4)
+_M = np.full((3, 4, 1), 2.0)
 COMPOSITES = {
     "gelu": (lambda x: dtensor.nn.functional.gelu(x),
              lambda x: 0.5 * x * (1.0 + (x * (1 / math.sqrt(2))).erf())),
@@ -394,9 +398,8 @@ COMPOSITES = {
     "log_softmax": (lambda x: dtensor.nn.functional.log_softmax(x, 1),
                     lambda x: x - x.max(1, keepdims=True) -
                     (x - x.max(1, keepdims=True)).exp().sum(1, keepdims=True).log()),
-    "logsumexp": (lambda x: OPS["logsumexp"](x),
-                  lambda x: (x - x.max(-1, keepdims=True)).exp().sum(-1).log()
-                  + x.max(-1)),
+    "sum_exp": (lambda x: OPS["sum_exp"](x, dtensor.Tensor(_M)),
+                lambda x: (x - dtensor.Tensor(_M)).exp().sum(-1)),
     "softmax_cross_entropy": (
         lambda x: OPS["softmax_cross_entropy"](x, dtensor.Tensor(_TARGETS)),
         lambda x: -OPS["gather"](dtensor.nn.functional.log_softmax(x, -1),
@@ -450,7 +453,7 @@ _BLOCKED = {  # the cache-blocked kernels (dtensor/ops/blockwise.py), on arrays 
     "log_softmax_backward": lambda x, t: [x, -np.abs(x)],
     "normalize": lambda x, t: [x],
     "normalize_backward": lambda x, t: [x[::-1].copy(), x],
-    "logsumexp": lambda x, t: [x],
+    "sum_exp": lambda x, t: [x, x.max(-1, keepdims=True)],
     "softmax_cross_entropy": lambda x, t: [x, t],
     "softmax_cross_entropy_backward": lambda x, t: [x[..., 0], x, t],
     "adamw_step": lambda x, t: [x, x[::-1].copy(), 0.1 * x, x * x],

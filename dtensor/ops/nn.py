@@ -586,10 +586,10 @@ def _cross_entropy_abstract(x, target):
 def _cross_entropy_lower(x, target, g=None):
     """Per row: logsumexp(x) - x[target]; with g (one per row), g (softmax(x) - onehot)."""
     m = K.rowmax(x)
+    e = K.exp(x - m)
     if g is not None:
-        e = K.exp(x - m)
         return e * (g / K.rowsum(e)) - K.where(K.eq(K.col, target), g, 0.0)
-    return _lse_lower(x, m) - K.rowsum(K.where(K.eq(K.col, target), x, 0.0))
+    return (K.log(K.rowsum(e)) + m) - K.rowsum(K.where(K.eq(K.col, target), x, 0.0))
 
 
 softmax_cross_entropy = defop(
@@ -604,43 +604,40 @@ softmax_cross_entropy_backward = defop(
     lower=lambda g, x, target: _cross_entropy_lower(x, target, g), nondiff=(2,),
     per_row=(0, 2), check=lambda g, x, target: logit_rows(x, target))
 
-# log sum_j exp(x_j) per row: a vocab-parallel cross-entropy's per-shard term (one pass over
-# the logits, nothing of their size stored). Its gradient exp(x - out) g is pointwise ops, so a
-# compiled backward fuses it into one kernel that may write over the logits where they die.
-def _logsumexp_impl(x):
-    xs = _contig(x).reshape(-1, x.shape[-1])
-    out = np.empty(xs.shape[0], x.dtype)
+# sum_j exp(x_j - m) per row, m one value a row (its max, or a larger one): a vocab-parallel
+# cross-entropy's sum of exponentials over one rank's block of classes (its sharding rule:
+# a sharded class dim gives Partial(sum)), one pass over the logits and nothing of their size
+# kept for the backward, whose exp(x - m) g is computed from the logits again (pointwise ops,
+# which a compiled backward fuses into one kernel that may write over the logits).
+def _sum_exp_impl(x, m):
+    C = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    xs, ms = _contig(x).reshape(rows, C), np.broadcast_to(m, x.shape[:-1] + (1,)).reshape(-1, 1)
+    out = np.zeros(rows, x.dtype)
     acc = accumulate_dtype(x.dtype)
 
     def run(lo, hi):
-        m, s, _ = _lse_block(xs[lo:hi].astype(acc, copy=False))
-        np.log(s, out=s)
-        s += m
-        out[lo:hi] = s[:, 0]
+        e = np.subtract(xs[lo:hi], ms[lo:hi], dtype=acc)
+        np.exp(e, out=e)
+        out[lo:hi] = _row_sums(e)[:, 0]
 
-    blockwise.run_rows(run, xs.shape[0], xs.shape[1] * x.itemsize)
+    if C:
+        blockwise.run_rows(run, rows, C * x.itemsize)
     return out.reshape(x.shape[:-1])
 
 
-def _lse_lower(x, m):  # m: the row's max, one node (its passes are a kernel's costliest)
-    return K.log(K.rowsum(K.exp(x - m))) + m
-
-
-def _logsumexp_abstract(x):
-    if not x.shape or x.shape[-1] == 0:
-        raise ValueError(f"logsumexp: needs a last dim of at least one element, got shape "
-                         f"{tuple(x.shape)}.")
+def _sum_exp_abstract(x, m):
+    if not x.shape or tuple(m.shape) != tuple(x.shape[:-1]) + (1,):
+        raise ValueError(f"sum_exp: m must hold one value per row of x, shape "
+                         f"{tuple(x.shape[:-1]) + (1,)}; got x {tuple(x.shape)}, m "
+                         f"{tuple(m.shape)}.")
     return Aval(tuple(x.shape[:-1]), x.dtype)
 
 
-def _logsumexp_vjp(g, out, x):
-    col = tuple(out.shape) + (1,)
-    return (g.reshape(col) * (x - out.reshape(col)).exp(),)
-
-
-logsumexp = defop(
-    "logsumexp", impl=_logsumexp_impl, abstract=_logsumexp_abstract, vjp=_logsumexp_vjp,
-    shard="rowwise", lower=lambda x: _lse_lower(x, K.rowmax(x)))
+sum_exp = defop(
+    "sum_exp", impl=_sum_exp_impl, abstract=_sum_exp_abstract,
+    vjp=lambda g, out, x, m: (g.reshape(tuple(g.shape) + (1,)) * (x - m).exp(), None),
+    shard="row_reduce", lower=lambda x, m: K.rowsum(K.exp(x - m)), nondiff=(1,))
 
 # ---------------------------------------------------------------- AdamW update
 

@@ -2,10 +2,9 @@
 
 Inside the context, ``dtensor.nn.functional.cross_entropy`` on a DTensor whose class dim is
 sharded computes, per token, ``logsumexp(x) - x[target]`` from the vocab shards (Megatron's
-vocab-parallel cross-entropy): each rank's log-sum-exp of its own classes, then three
-all-reduces of one number per token forward (the max of those, the sum of their exponentials,
-the target's logit) and none backward, where each rank's gradient ``softmax - onehot`` stays on
-its own shard.
+vocab-parallel cross-entropy): three all-reduces of one number per token forward (the max, the
+sum of exponentials, the target's logit) and none backward, where each rank's gradient
+``softmax - onehot`` stays on its own shard; nothing of the logits' size is kept in between.
 
 Example (logits of shape (N, V) placed [Shard(1)]):
     >>> with loss_parallel():
@@ -13,8 +12,6 @@ Example (logits of shape (N, V) placed [Shard(1)]):
     ...     loss.backward()
 """
 from __future__ import annotations
-
-import math
 
 from dtensor._flag import Flag
 from dtensor.dtensor import DTensor, _redistribute, distribute_tensor
@@ -69,23 +66,22 @@ def target_like(target, logits: DTensor):
 def vocab_parallel_nll(x: DTensor, target: DTensor, valid: DTensor):
     """Per-token negative log-likelihood (0 where not ``valid``) of class-sharded logits
     ``x``; the result is whole (not Partial) over the class mesh dims."""
-    # Each rank's log-sum-exp over its own classes: one pass over its block of logits, and
-    # nothing of their size kept for the backward (its gradient exp(x - lse) g is computed
-    # from the logits again). The ranks' terms, one a token, are the last dim of a DTensor
-    # sharded as the classes were: their log-sum-exp is the whole row's.
-    cls = x.ndim - 1
-    own = nnops.logsumexp(x.to_local())
-    blocks = math.prod(x.device_mesh.size(m) for m, p in enumerate(x.placements)
-                       if p == Shard(cls))
-    terms = DTensor.from_local(own.reshape(tuple(own.shape) + (1,)), x.device_mesh,
-                               x.placements, shape=tuple(x.shape[:-1]) + (blocks,))
-    m = terms.detach().max(-1, keepdims=True)  # all-reduce 1 (max); a constant for the gradient
-    lse = (terms - m).exp().sum(-1).log() + m.squeeze(-1)  # all-reduce 2 (sum of exponentials)
+    x = _whole(x)  # logits given as partial sums: summed once, for the forward and backward
+    m = x.detach().max(-1, keepdims=True)  # all-reduce 1 (max); a constant for the gradient
+    # Each rank's sum of exp(x - m) over its classes, a Partial(sum): one pass over its block,
+    # and nothing of the logits' size kept for the backward, which computes exp(x - m) again
+    lse = nnops.sum_exp(x, m).log()  # all-reduce 2 (sum of exponentials), before the log
     safe = pw.where(valid, target, 0)  # an ignored row still needs an in-range index
-    picked = st.gather(x, safe.unsqueeze(-1), axis=cls).squeeze(-1)
+    picked = st.gather(x, safe.unsqueeze(-1), axis=x.ndim - 1).squeeze(-1) - m.squeeze(-1)
     # All-reduce 3: the target's logit lives on one rank. Reducing it here keeps the loss
     # per token whole (reduction="none" gives real values) and the backward free of
     # communication: the gradient of a redistribute from Partial passes through as it is.
-    picked = _redistribute(picked, [Replicate() if isinstance(p, Partial) else p
-                                    for p in picked.placements], boundary=True)
-    return pw.where(valid, lse - picked, 0.0)
+    return pw.where(valid, lse - _whole(picked), 0.0)
+
+
+def _whole(t: DTensor) -> DTensor:
+    """``t`` with its Partial placements reduced (Replicate), its shards as they are."""
+    if not any(isinstance(p, Partial) for p in t.placements):
+        return t
+    return _redistribute(t, [Replicate() if isinstance(p, Partial) else p
+                             for p in t.placements], boundary=True)

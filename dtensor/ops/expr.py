@@ -116,12 +116,18 @@ def topo(roots) -> list:
 def shared(root: E) -> E:
     """``root`` with equal subexpressions made one node (hash-consing, arguments first), so a
     kernel computes each once: a lower that spells rowmax(x) twice would otherwise make its
-    kernel run two reductions over the row. Equal: same primitive, same attribute as written
-    (repr: 0.0 and -0.0 stay apart) and the same argument nodes."""
+    kernel run two reductions over the row. Equal: same primitive, same attribute, of the same
+    type and written the same (0.0 and -0.0 apart; numpy 1's float32 0.1 and 0.1 too), and the
+    same argument nodes."""
+    def spelled(a):
+        if isinstance(a, dict):  # a constant's {itemsize: value} table
+            return tuple((k, spelled(v)) for k, v in sorted(a.items()))
+        return type(a), repr(a)
+
     canon, memo = {}, {}
     for e in topo([root]):
         args = tuple(memo[id(a)] for a in e.args)
-        key = (e.prim, repr(e.attr), tuple(map(id, args)))
+        key = (e.prim, spelled(e.attr), tuple(map(id, args)))
         if key not in canon:
             canon[key] = e if args == e.args else E(e.prim, args, e.attr)
         memo[id(e)] = canon[key]

@@ -35,13 +35,15 @@ from dtensor.tracer import Traced, Tracer, TracingError
 
 __all__ = ["compile", "Compiled", "TracingError", "RecompileWarning"]
 
-PASSES = (("shard_broadcasts", passes.shard_broadcasts), ("dce", passes.dce), ("cse", passes.cse),
-          ("fold_scatter_adds", passes.fold_scatter_adds),
-          ("fold_product_sums", passes.fold_product_sums),
-          ("merge_matmuls", passes.merge_matmuls),
-          ("bucket_all_reduces", passes.bucket_all_reduces),
-          ("fuse_pointwise", passes.fuse_pointwise), ("fuse_adamw", passes.fuse_adamw),
-          ("plan_memory", passes.plan_memory))
+# (name, pass, whether it runs only where kernels are generated: the numpy backend runs
+# eager's own kernels and GEMMs, bit for bit)
+PASSES = (("shard_broadcasts", passes.shard_broadcasts, False), ("dce", passes.dce, False),
+          ("cse", passes.cse, False), ("fold_scatter_adds", passes.fold_scatter_adds, False),
+          ("fold_product_sums", passes.fold_product_sums, False),
+          ("merge_matmuls", passes.merge_matmuls, True),
+          ("bucket_all_reduces", passes.bucket_all_reduces, False),
+          ("fuse_pointwise", passes.fuse_pointwise, False),
+          ("fuse_adamw", passes.fuse_adamw, False), ("plan_memory", passes.plan_memory, False))
 RECOMPILE_LIMIT = 8  # warn on every compile past this many of one function (as torch._dynamo)
 BACKENDS = ("numpy", "c", "triton")
 
@@ -457,21 +459,19 @@ class Compiled:
         debug = _debug_level() >= 2 and _rank0()
         if debug:
             print(f"[dtensor.compile] {self.__name__}: traced\n{graph}", flush=True)
-        kernels = {}
-        for name, p in PASSES:
-            if name == "plan_memory" and self.backend != "numpy":
+        kernels, generated = {}, self.backend != "numpy"
+        for name, p, generated_only in PASSES:
+            if generated_only and not generated:
+                continue
+            if name == "plan_memory" and generated:
                 lower = importlib.import_module(f"dtensor.compile.{self.backend}_backend")
                 for node, k in lower.lower_graph(graph):
                     kernels[node.id] = k
                     if _debug_level() >= 3 and _rank0():
                         print(f"[dtensor.compile] {self.backend} kernel for %{node.id} "
                               f"{node.name}\n{k.source}", flush=True)
-            # A row-wise op joins row groups, and sibling matmuls merge, only where kernels are
-            # generated; the numpy backend runs eager's own kernels and GEMMs, bit for bit.
-            if name == "merge_matmuls" and self.backend == "numpy":
-                continue
-            graph = (p(graph, row_ops=self.backend != "numpy") if name == "fuse_pointwise"
-                     else p(graph))
+            # a row-wise op joins row groups only where kernels are generated, likewise
+            graph = p(graph, row_ops=generated) if name == "fuse_pointwise" else p(graph)
             if debug:
                 print(f"[dtensor.compile] after {name}\n{graph}", flush=True)
         source, tables = numpy_backend.generate(graph, self.__name__, kernels)

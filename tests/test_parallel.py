@@ -370,9 +370,10 @@ LOSS_CASES = [((4,), (6, 11), [Shard(1)], 0.0, False),
 def test_loss_parallel_cases(rank, case, backend):
     """Vocab-parallel cross-entropy (each rank's sum of exponentials over its classes, a
     Partial(sum)) against float64 numpy on the same float32 logits, eager and compiled, in
-    every case of the table: loss and gradient. Compiled, nothing of the logits' size is
-    kept from the forward for the backward: every value of their size comes after the
-    forward's collectives."""
+    every case of the table: loss and gradient, and the collectives over the class mesh dims
+    (three all-reduces of one number a row each, none backward). Compiled, nothing of the
+    logits' size is kept from the forward for the backward: every value of their size comes
+    after the forward's collectives."""
     from dtensor.parallel import loss_parallel
 
     mesh_shape, shape, placements, offset, masked = LOSS_CASES[case]
@@ -408,7 +409,16 @@ def test_loss_parallel_cases(rank, case, backend):
         return loss, g
 
     run = step if backend is None else dtensor.compile(step, backend=backend)
-    loss, g = run(xd)
+    with count_collectives() as log:
+        loss, g = run(xd)
+    # over each class mesh dim, forward and backward together: the max, the sum of
+    # exponentials and the target's logit, one number a row, and nothing more
+    dims = [d for d, p in enumerate(placements) if p == Shard(len(shape) - 1)]
+    groups = {tuple(mesh.get_group(d).ranks) for d in dims}
+    on_classes = [e for e in log.events if e.group in groups]
+    assert len(on_classes) == 3 * len(dims), log.events
+    rows = np.prod(xd.to_local().shape[:-1])
+    assert {(e.kind, e.bytes) for e in on_classes} == {("all_reduce", rows * 4)}
     # float32: exp(x - m) and the sums round at a few ulps; the mean of terms of order 10
     np.testing.assert_allclose(full(loss), want, rtol=2e-6)
     np.testing.assert_allclose(full(g), grad, rtol=0, atol=2e-6 * np.abs(grad).max())

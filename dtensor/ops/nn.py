@@ -612,7 +612,7 @@ softmax_cross_entropy_backward = defop(
 def _sum_exp_impl(x, m):
     C = x.shape[-1]
     rows = math.prod(x.shape[:-1])
-    xs, ms = _contig(x).reshape(rows, C), np.broadcast_to(m, x.shape[:-1] + (1,)).reshape(-1, 1)
+    xs, ms = _contig(x).reshape(rows, C), np.reshape(m, (rows, 1))
     out = np.zeros(rows, x.dtype)
     acc = accumulate_dtype(x.dtype)
 

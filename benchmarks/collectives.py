@@ -4,10 +4,14 @@ All paths are measured in the same job, interleaved, on the same buffers; one JS
 line per (collective, size, ranks) with median times, bus bandwidths and ratios (mpi4py time /
 dtensor time, taken within each rep, the median over reps): ``ratio`` for dtensor's default
 fresh result array, ``ratio_out`` for ``out=`` a reused buffer, which is what the raw mpi4py
-call gets, and ``ratio_control`` for the raw call against itself (a second, identical path):
-how far apart two equal paths land on this machine. dtensor's all_reduce on one node goes
-through shared memory (dtensor/_shm.py) up to DTENSOR_SHM_BYTES (8 MiB): there its ratio is
-that path against MPI's (measured: 4 MB at 2 ranks 2.31 -> 1.07 ms, 2.1x; at 4 ranks on 2 cores
+call gets, ``ratio_control`` for the raw call against itself (a second, identical path):
+how far apart two equal paths land on this machine, and for all_reduce ``ratio_inplace`` for
+``out=x`` (a compiled step's donated partial sums: on the shared-memory path the sum then
+reads the operand itself and writes lines it has just read; 1 MB at 2 ranks 0.23 -> 0.15 ms,
+4 MB 0.89 -> 0.64 ms against reading the operand's copy in the slot). dtensor's all_reduce
+on one node goes through shared memory (dtensor/_shm.py) up to DTENSOR_SHM_BYTES (8 MiB):
+there its ratio is that path against MPI's (measured: 4 MB at 2 ranks 2.31 -> 1.07 ms, 2.1x;
+at 4 ranks on 2 cores
 1.6x); the 64 MB runs go through MPI on both sides.
 
     python benchmarks/collectives.py             # spawns 2 and 4 ranks itself
@@ -51,6 +55,7 @@ def run(repeats: int | None = None) -> list[dict]:
         full = np.ones(count, np.float32)
         part = np.ones(count // n, np.float32)
         out_full, out_part = np.empty_like(full), np.empty_like(part)
+        zeros = np.zeros_like(full)  # reduced in place, it stays zeros: the same every call
         reps, iters = repeats or (96 if mb <= 4 else 72), 10 if mb <= 4 else 2
         # (dtensor with a fresh result, dtensor into a reused buffer, raw mpi4py, raw mpi4py
         # again as a control: its ratio to the first is this machine's noise floor)
@@ -68,11 +73,13 @@ def run(repeats: int | None = None) -> list[dict]:
         }
         for name, (fresh_fn, out_fn, mpi_fn, factor) in cases.items():
             paths = [fresh_fn, out_fn, mpi_fn, mpi_fn]
+            if name == "all_reduce":  # in place (out=x), as a compiled step donates its buffer
+                paths.append(lambda: comm.all_reduce(zeros, out=zeros))
             times: list[list[float]] = [[] for _ in paths]
             for f in paths:
                 f()  # warm up every path
-            # Blocks of calls after a barrier, interleaved, each rep in the next of the 24
-            # orders of the four paths: drift hits all paths alike, and each path follows each
+            # Blocks of calls after a barrier, interleaved, each rep in the next of the
+            # orders of the paths: drift hits all paths alike, and each path follows each
             # other equally often (a fixed order rotated would always run the reused-buffer
             # path right after the fresh one, whose 4 MB result pushed the buffer out of cache).
             orders = list(itertools.permutations(range(len(paths))))
@@ -83,7 +90,7 @@ def run(repeats: int | None = None) -> list[dict]:
                     for _ in range(iters):
                         paths[k]()
                     times[k].append((time.perf_counter() - t) / iters)
-            fresh, reused, mpi, control = (statistics.median(ts) for ts in times)
+            fresh, reused, mpi, control, *inplace = (statistics.median(ts) for ts in times)
 
             def paired(ts):  # raw / path within each rep: the machine's drift between reps cancels
                 return round(statistics.median(m / t for m, t in zip(times[2], ts)), 3)
@@ -97,6 +104,8 @@ def run(repeats: int | None = None) -> list[dict]:
                 "mpi4py_busbw_gbs": round(nbytes / mpi * factor / 1e9, 3),
                 "ratio": paired(times[0]), "ratio_out": paired(times[1]),
                 "ratio_control": paired(times[3]),
+                "dtensor_inplace_ms": round(inplace[0] * 1e3, 3) if inplace else None,
+                "ratio_inplace": paired(times[4]) if inplace else None,
             })
     return rows
 

@@ -481,7 +481,8 @@ class Comm:
         if seg is not None:
             if x.nbytes <= seg.slot_bytes:
                 out = out if out is x else _out(out, x.shape, dtype, "all_reduce")
-                k = self._blocking(e, seg.post, x, _shm.UFUNCS[op], out, end=False)
+                k = self._blocking(e, seg.post, x, _shm.UFUNCS[op], out,
+                                   kept=out is x or not async_op, end=False)
                 if async_op:
                     return Work(_shm.Posted(seg, k), lambda: self._avg(seg.reduce(k), op), e)
                 return self._avg(self._blocking(e, seg.reduce, k), op)

@@ -76,6 +76,24 @@ def test_results_are_the_rank_order_fold_with_the_same_bits_everywhere(n, comm, 
 
 
 @pytest.mark.parametrize("n", RANKS)
+def test_an_operand_written_over_after_an_async_call_does_not_change_its_result(n, comm, rank,
+                                                                              monkeypatch):
+    """A reduction may read the caller's operand instead of its copy in the slot only while the
+    caller leaves it alone: a blocking call, or one whose result goes over the operand. An async
+    call's operand written over before the wait (the copy is what was posted) still gives the
+    posted values' sum, and a later in-place call's result is its own."""
+    group = fresh(comm, monkeypatch)
+    x = np.full(1000, rank + 1.0, np.float32)
+    work = group.all_reduce(x, async_op=True)
+    x[:] = 1e6  # the caller reuses its buffer before waiting
+    y = np.full(1000, 10.0 * (rank + 1), np.float32)
+    inplace = group.all_reduce(y, async_op=True, out=y)
+    np.testing.assert_array_equal(work.wait(), np.full(1000, n * (n + 1) / 2, np.float32))
+    assert inplace.wait() is y
+    np.testing.assert_array_equal(y, np.full(1000, 10 * n * (n + 1) / 2, np.float32))
+
+
+@pytest.mark.parametrize("n", RANKS)
 @pytest.mark.parametrize("order", ["reversed", "interleaved", "never"])
 def test_many_calls_in_flight_waited_in_any_order_or_never(n, order, comm, rank, monkeypatch):
     """More calls in flight than the window has slots, waited in reverse, interleaved with new

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import sys
 import time
 from contextlib import contextmanager
+
+import numpy as np
 
 from dtensor import autograd, observe
 from dtensor.ops import registry
@@ -178,20 +181,38 @@ class profile:
             def timed(f, node):
                 name, cause = node.name, node.cause or {}
                 module, phase = cause.get("module"), cause.get("phase")
+                args = {"bytes": _node_bytes(node)} if node.kind != "comm" else None
 
-                def call(*args, **kwargs):
+                def call(*a, **kwargs):
                     if module is not None:  # the module spans, from where it was traced
                         where(module, phase)
                     start = now()
                     try:
-                        return f(*args, **kwargs)
+                        return f(*a, **kwargs)
                     finally:
-                        spans.append((name, "kernel", start, now(), None))
+                        spans.append((name, "kernel", start, now(), args))
                 return call
 
             table = self._tables[id(entry)] = [timed(f, n) for f, n in
                                                zip(entry.tables["F"], entry.graph.nodes)]
         return table
+
+
+def _node_bytes(node) -> int:
+    """The bytes a graph node's arrays hold: its array inputs and its result, each counted
+    once, at its shape (a broadcast input at its broadcast shape). Over a span's time it gives
+    the rate the summary prints; against the machine's copy rate it shows whether a kernel is
+    bound by memory (it reads and writes at least these) or by its arithmetic."""
+    def size(shape, dtype) -> int:
+        if dtype is None or shape is None:  # a node with no array value
+            return 0
+        return math.prod(shape) * np.dtype(dtype).itemsize
+    seen, total = set(), size(node.shape, node.dtype)
+    for a in node.inputs:
+        if hasattr(a, "kind") and id(a) not in seen:
+            seen.add(id(a))
+            total += size(a.shape, a.dtype)
+    return total
 
 
 def merge(per_rank: list[list[dict]]) -> list[dict]:
@@ -262,13 +283,19 @@ def summary(events: list[dict], top: int = 15) -> str:
     by_name: dict = {}
     for e in events:
         if e.get("ph") == "X" and e["cat"] != "profile":
-            n, total = by_name.get((e["cat"], e["name"]), (0, 0.0))
-            by_name[e["cat"], e["name"]] = (n + 1, total + e["dur"])
+            n, total, nbytes = by_name.get((e["cat"], e["name"]), (0, 0.0, 0))
+            b = (e.get("args") or {}).get("bytes", 0) if e["cat"] == "kernel" else 0
+            by_name[e["cat"], e["name"]] = (n + 1, total + e["dur"], nbytes + b)
     ranks = len({e["pid"] for e in events if e.get("ph") == "X"})
-    lines = [f"top spans (all {ranks} ranks; module spans include what runs inside them)",
-             f"{'category':<11} {'name':<44} {'count':>7} {'total ms':>10} {'mean us':>9}"]
-    for (cat, name), (n, total) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
-        lines.append(f"{cat:<11} {name[:44]:<44} {n:>7} {total / 1e3:>10.2f} {total / n:>9.1f}")
+    lines = [f"top spans (all {ranks} ranks; module spans include what runs inside them; GB/s: "
+             f"a compiled node's arrays, read and written, over its time)",
+             f"{'category':<11} {'name':<44} {'count':>7} {'total ms':>10} {'mean us':>9} "
+             f"{'GB/s':>7}"]
+    for (cat, name), (n, total, nbytes) in sorted(by_name.items(),
+                                                   key=lambda kv: -kv[1][1])[:top]:
+        rate = f"{nbytes / total / 1e3:>7.1f}" if nbytes and total else ""
+        lines.append(f"{cat:<11} {name[:44]:<44} {n:>7} {total / 1e3:>10.2f} {total / n:>9.1f} "
+                     f"{rate}".rstrip())
     lines += ["", f"{'rank':>4} {'profiled ms':>12} {'compute':>9} {'comm':>9} {'waiting':>9} "
                   f"{'other':>9}"]
     for rank, b in breakdown(events).items():

@@ -118,6 +118,32 @@ def test_a_4_rank_step_gives_one_valid_trace_whose_summary_adds_up(rank, tmp_pat
     assert "top spans" in text and all(f"\n   {r} " in text for r in range(4)), text
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_a_compiled_nodes_span_carries_its_arrays_bytes_and_the_summary_their_rate(backend):
+    """Each compiled node's span holds the bytes of its array inputs (each once) and of its
+    result, counted here from the arrays themselves; the summary divides them by the time."""
+    x = dtensor.tensor(np.ones((64, 48), np.float32))
+    w = dtensor.tensor(np.ones((48, 80), np.float32))
+
+    @dtensor.compile(backend=backend)
+    def f(x, w):
+        y = x @ w
+        return (y * y).sum()
+
+    f(x, w)
+    with profiler.profile() as p:
+        f(x, w)
+    got = {}
+    for e in p.events:
+        if e["ph"] == "X" and e["cat"] == "kernel":
+            got.setdefault(e["name"], []).append(e["args"]["bytes"])
+    assert got["matmul"] == [4 * (64 * 48 + 48 * 80 + 64 * 80)], got
+    assert all(b > 0 for bs in got.values() for b in bs), got
+    kernel_rows = [line for line in profiler.summary(p.events).splitlines()
+                   if line.startswith("kernel")]
+    assert kernel_rows and all(float(line.split()[-1]) > 0 for line in kernel_rows), kernel_rows
+
+
 def test_profile_off_leaves_no_hook_and_nesting_is_refused():
     from dtensor import observe
     from dtensor.nn.module import Module

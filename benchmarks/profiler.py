@@ -8,6 +8,13 @@ seconds both ways and ``overhead``, the median over pairs of on / off - 1.
 
     python benchmarks/profiler.py [--compile --backend c]
     dtlaunch --nproc 2 benchmarks/profiler.py --tp 2
+    dtlaunch --nproc 2 benchmarks/profiler.py --tp 2 --compile --backend c --kinds
+
+``--kinds`` (compiled) adds a line per node kind of the graph: rank 0's milliseconds, calls
+and megabytes (the nodes' arrays, read and written) a step, their GB/s, and this machine's
+copy rate (``copy_gbs``, every rank copying 64 MB at once): a kind near that rate is bound by
+memory, one far below it (a GEMM) by arithmetic. A kind that touches part of an array (a
+view such as adamw_part, a gather) counts all of it, so its rate can pass the copy rate.
 """
 from __future__ import annotations
 
@@ -22,12 +29,31 @@ import dtensor
 from dtensor import profiler
 
 
+def copy_gbs(group) -> float:
+    """This rank's copy rate (GB/s read and written) over 64 MB from memory, every rank of
+    ``group`` copying at the same moment, as a step's ranks do: the median of 5."""
+    a = np.ones(16 << 20, np.float32)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    rates = []
+    for _ in range(5):
+        if group is not None:
+            group.barrier()
+        t = time.perf_counter()
+        np.copyto(b, a)
+        rates.append(2 * a.nbytes / (time.perf_counter() - t) / 1e9)
+    return round(statistics.median(rates), 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pairs", type=int, default=8)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--backend", default="numpy", choices=("numpy", "c"))
+    ap.add_argument("--kinds", action="store_true",
+                    help="also a line per compiled node kind: rank 0's time, bytes and GB/s a "
+                         "step, beside this machine's copy rate measured in the same run")
     args = ap.parse_args()
     cfg = dtensor.nn.GPTConfig(vocab_size=4096, n_layer=4, n_embd=256, n_head=8,
                                mlp_hidden=1024, block_size=128, bias=False, dropout=0.0)
@@ -59,13 +85,27 @@ def main() -> None:
         step(x, y).item()
         return time.perf_counter() - t
 
-    off, on = [], []
+    off, on, kinds = [], [], {}
     for i in range(args.pairs):
         plain = timed()
-        with profiler.profile():
+        with profiler.profile() as p:
             traced = timed()
         off.append(plain)
         on.append(traced)
+        for e in p.events:  # rank 0 holds every rank's; its own are pid 0
+            if e["ph"] == "X" and e["cat"] == "kernel" and e["pid"] == 0:
+                n, us, nbytes = kinds.get(e["name"], (0, 0.0, 0))
+                kinds[e["name"]] = (n + 1, us + e["dur"], nbytes + e.get("args", {})
+                                    .get("bytes", 0))
+    copy = copy_gbs(mesh.get_group(0) if args.tp > 1 else None) if args.kinds else None
+    if rank == 0 and args.kinds:
+        for name, (n, us, nbytes) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):
+            print(json.dumps({
+                "bench": "profiler_kind", "kind": name, "calls_per_step": n / args.pairs,
+                "ms_per_step": round(us / 1e3 / args.pairs, 3),
+                "mb_per_step": round(nbytes / 1e6 / args.pairs, 2),
+                "gbs": round(nbytes / us / 1e3, 2) if nbytes else None,
+                "copy_gbs": copy}))
     if rank == 0:
         print(json.dumps({
             "bench": "profiler", "mode": "compiled" if args.compile else "eager",

@@ -200,9 +200,10 @@ class profile:
 
 def _node_bytes(node) -> int:
     """The bytes a graph node's arrays hold: its array inputs and its result, each counted
-    once, at its shape (a broadcast input at its broadcast shape). Over a span's time it gives
-    the rate the summary prints; against the machine's copy rate it shows whether a kernel is
-    bound by memory (it reads and writes at least these) or by its arithmetic."""
+    once, at its shape. Over a span's time it gives the rate the summary prints; against the
+    machine's copy rate it shows whether a kernel that reads and writes all of them is bound by
+    memory or by its arithmetic. A node that touches part of an array (a view, a gather, a
+    scatter) counts all of it, so its rate can pass the copy rate."""
     def size(shape, dtype) -> int:
         if dtype is None or shape is None:  # a node with no array value
             return 0

@@ -11,8 +11,7 @@ reads the operand itself and writes lines it has just read; 1 MB at 2 ranks 0.23
 4 MB 0.89 -> 0.64 ms against reading the operand's copy in the slot). dtensor's all_reduce
 on one node goes through shared memory (dtensor/_shm.py) up to DTENSOR_SHM_BYTES (8 MiB):
 there its ratio is that path against MPI's (measured: 4 MB at 2 ranks 2.31 -> 1.07 ms, 2.1x;
-at 4 ranks on 2 cores
-1.6x); the 64 MB runs go through MPI on both sides.
+at 4 ranks on 2 cores 1.6x); the 64 MB runs go through MPI on both sides.
 
     python benchmarks/collectives.py             # spawns 2 and 4 ranks itself
     dtlaunch --nproc 4 benchmarks/collectives.py # or one world size under dtlaunch
@@ -80,7 +79,7 @@ def run(repeats: int | None = None) -> list[dict]:
                 f()  # warm up every path
             # Blocks of calls after a barrier, interleaved, each rep in the next of the
             # orders of the paths: drift hits all paths alike, and each path follows each
-            # other equally often (a fixed order rotated would always run the reused-buffer
+            # other about equally often (a fixed order rotated would always run the reused-buffer
             # path right after the fresh one, whose 4 MB result pushed the buffer out of cache).
             orders = list(itertools.permutations(range(len(paths))))
             for rep in range(reps):

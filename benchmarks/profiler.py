@@ -30,8 +30,8 @@ from dtensor import profiler
 
 
 def copy_gbs(group) -> float:
-    """This rank's copy rate (GB/s read and written) over 64 MB from memory, every rank of
-    ``group`` copying at the same moment, as a step's ranks do: the median of 5."""
+    """This rank's copy rate (GB/s read and written) of 64 MB, every rank of ``group``
+    copying at the same moment, as a step's ranks do: the median of 5."""
     a = np.ones(16 << 20, np.float32)
     b = np.empty_like(a)
     np.copyto(b, a)
@@ -92,7 +92,7 @@ def main() -> None:
             traced = timed()
         off.append(plain)
         on.append(traced)
-        for e in p.events:  # rank 0 holds every rank's; its own are pid 0
+        for e in p.events if args.kinds else ():  # rank 0 holds every rank's; pid 0 its own
             if e["ph"] == "X" and e["cat"] == "kernel" and e["pid"] == 0:
                 n, us, nbytes = kinds.get(e["name"], (0, 0.0, 0))
                 kinds[e["name"]] = (n + 1, us + e["dur"], nbytes + e.get("args", {})

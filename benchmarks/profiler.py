@@ -92,11 +92,11 @@ def main() -> None:
             traced = timed()
         off.append(plain)
         on.append(traced)
-        for e in p.events if args.kinds else ():  # rank 0 holds every rank's; pid 0 its own
-            if e["ph"] == "X" and e["cat"] == "kernel" and e["pid"] == 0:
-                n, us, nbytes = kinds.get(e["name"], (0, 0.0, 0))
-                kinds[e["name"]] = (n + 1, us + e["dur"], nbytes + e.get("args", {})
-                                    .get("bytes", 0))
+        if args.kinds and rank == 0:  # rank 0 holds every rank's events; pid 0 are its own
+            mine = profiler.totals([e for e in p.events if e.get("pid") == 0])
+            for (cat, name), got in mine.items():
+                if cat == "kernel":
+                    kinds[name] = tuple(map(sum, zip(kinds.get(name, (0, 0.0, 0)), got)))
     copy = copy_gbs(mesh.get_group(0) if args.tp > 1 else None) if args.kinds else None
     if rank == 0 and args.kinds:
         for name, (n, us, nbytes) in sorted(kinds.items(), key=lambda kv: -kv[1][1]):

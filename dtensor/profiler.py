@@ -36,9 +36,10 @@ from contextlib import contextmanager
 import numpy as np
 
 from dtensor import autograd, observe
+from dtensor.graph import Node
 from dtensor.ops import registry
 
-__all__ = ["profile", "summary", "load"]
+__all__ = ["profile", "summary", "totals", "load"]
 
 _ACTIVE: "profile | None" = None
 
@@ -204,16 +205,12 @@ def _node_bytes(node) -> int:
     machine's copy rate it shows whether a kernel that reads and writes all of them is bound by
     memory or by its arithmetic. A node that touches part of an array (a view, a gather, a
     scatter) counts all of it, so its rate can pass the copy rate."""
-    def size(shape, dtype) -> int:
-        if dtype is None or shape is None:  # a node with no array value
+    def size(n: Node) -> int:
+        if n.dtype is None or n.shape is None:  # a node with no array value
             return 0
-        return math.prod(shape) * np.dtype(dtype).itemsize
-    seen, total = set(), size(node.shape, node.dtype)
-    for a in node.inputs:
-        if hasattr(a, "kind") and id(a) not in seen:
-            seen.add(id(a))
-            total += size(a.shape, a.dtype)
-    return total
+        return math.prod(n.shape) * np.dtype(n.dtype).itemsize
+    inputs = {id(a): a for a in node.inputs if isinstance(a, Node)}
+    return size(node) + sum(map(size, inputs.values()))
 
 
 def merge(per_rank: list[list[dict]]) -> list[dict]:
@@ -279,14 +276,21 @@ def breakdown(events: list[dict]) -> dict[int, dict[str, float]]:
     return out
 
 
-def summary(events: list[dict], top: int = 15) -> str:
-    """The text ``python -m dtensor.profiler summary`` prints."""
+def totals(events: list[dict]) -> dict:
+    """(category, name) -> (spans, total us, bytes) over the events' spans (bytes: compiled
+    nodes' arrays; 0 for other spans)."""
     by_name: dict = {}
     for e in events:
         if e.get("ph") == "X" and e["cat"] != "profile":
             n, total, nbytes = by_name.get((e["cat"], e["name"]), (0, 0.0, 0))
             b = (e.get("args") or {}).get("bytes", 0) if e["cat"] == "kernel" else 0
             by_name[e["cat"], e["name"]] = (n + 1, total + e["dur"], nbytes + b)
+    return by_name
+
+
+def summary(events: list[dict], top: int = 15) -> str:
+    """The text ``python -m dtensor.profiler summary`` prints."""
+    by_name = totals(events)
     ranks = len({e["pid"] for e in events if e.get("ph") == "X"})
     lines = [f"top spans (all {ranks} ranks; module spans include what runs inside them; GB/s: "
              f"a compiled node's arrays, read and written, over its time)",

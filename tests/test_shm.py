@@ -84,12 +84,14 @@ def test_an_operand_written_over_after_an_async_call_does_not_change_its_result(
     posted values' sum, and a later in-place call's result is its own."""
     group = fresh(comm, monkeypatch)
     x = np.full(1000, rank + 1.0, np.float32)
-    work = group.all_reduce(x, async_op=True)
-    x[:] = 1e6  # the caller reuses its buffer before waiting
-    y = np.full(1000, 10.0 * (rank + 1), np.float32)
-    inplace = group.all_reduce(y, async_op=True, out=y)
-    np.testing.assert_array_equal(work.wait(), np.full(1000, n * (n + 1) / 2, np.float32))
-    assert inplace.wait() is y
+    with count_collectives() as log:
+        work = group.all_reduce(x, async_op=True)
+        x[:] = 1e6  # the caller reuses its buffer before waiting
+        y = np.full(1000, 10.0 * (rank + 1), np.float32)
+        inplace = group.all_reduce(y, async_op=True, out=y)
+        np.testing.assert_array_equal(work.wait(), np.full(1000, n * (n + 1) / 2, np.float32))
+        assert inplace.wait() is y
+    assert log.summary() == {"all_reduce": (2, 2 * x.nbytes)}
     np.testing.assert_array_equal(y, np.full(1000, 10 * n * (n + 1) / 2, np.float32))
 
 
